@@ -1,0 +1,91 @@
+"""The `scaletrain` command. Thin: parse, check, call the packages. Bad input: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from scaletrain.config import ConfigError, load_config, to_toml
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(message: str) -> None:
+    click.echo(f"scaletrain: error: {message}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="scaletrain")
+def main() -> None:
+    """Plan, check, launch, train, recover and monitor multi-GPU PyTorch training."""
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.argument("args", nargs=-1)
+@click.option("--print-config", is_flag=True, help="Print the resolved config as TOML and exit.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Local ranks (default: launch.nproc_per_node; 0 there means all GPUs, or 2 CPU ranks).")
+def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None) -> None:
+    """Train: `scaletrain train [CONFIG.toml] [section.key=value ...]`.
+
+    With no arguments, trains the built-in tiny Llama-style model on this Python's standard library sources
+    (byte tokens) on 2 local CPU ranks over gloo, or on every local GPU with NCCL.
+    Under an external `torchrun`, runs as the rank it was started as.
+    """
+    from scaletrain.train.preflight import default_nproc, resolve_job, under_external_launcher
+
+    path = args[0] if args and "=" not in args[0] else None
+    overrides = list(args[1:] if path else args)
+    try:
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        fail(str(e))
+    if print_config:
+        click.echo(to_toml(cfg), nl=False)
+        return
+
+    if under_external_launcher():
+        from scaletrain.train.worker import main as worker_main
+
+        worker_main(list(args))
+        return
+
+    nproc = nproc_per_node or cfg.launch.nproc_per_node or default_nproc(cfg.run.device)
+    world = nproc * cfg.launch.nnodes
+    try:
+        from scaletrain.parallel.runtime import pick_device_type
+
+        pick_device_type(cfg.run.device)
+        resolve_job(cfg, world)
+        if cfg.launch.nnodes > 1 and cfg.launch.rdzv_endpoint.endswith(":0"):
+            raise ValueError("launch.rdzv_endpoint: a multi-node run needs a fixed host:port every node can reach")
+    except ValueError as e:
+        fail(str(e))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from scaletrain.launch.local import launch_local
+
+    try:
+        launch_local(cfg, nproc)
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()))
+        click.echo(f"scaletrain: training failed on rank {first.rank} (exit {first.exitcode}); "
+                   f"see the traceback above", err=True)
+        sys.exit(1)
+
+
+@main.command()
+def models() -> None:
+    """List the built-in model presets with their sizes."""
+    from scaletrain.models import PRESETS
+
+    for name, a in PRESETS.items():
+        click.echo(f"{name:12s} {a.num_params() / 1e9:9.3f} B params  dim {a.dim:5d}  layers {a.n_layers:3d}  "
+                   f"heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  vocab {a.vocab_size}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Reading a job config: TOML file, then `section.key=value` overrides, then validation.
+
+Errors a user can cause become one `ConfigError` line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import ValidationError
+
+from scaletrain.config.schema import JobConfig
+
+
+class ConfigError(ValueError):
+    """A job config a user wrote is wrong; the message is one line naming the field."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "config"
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        section = JobConfig
+        for part in first["loc"][:-1]:
+            section = section.model_fields[str(part)].annotation
+        valid = ", ".join(section.model_fields)
+        return f"{field}: unknown key; valid keys here: {valid}"
+    msg = first["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg.removeprefix("Value error, ")
+        # validators already name their field
+        return msg if msg.split(":")[0].count(".") else f"{field}: {msg}"
+    got = first.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{field}: {msg[0].lower()}{msg[1:]}{shown}"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`train.lr=3e-4` -> (["train", "lr"], 0.0003). Values are TOML literals; bare words are strings."""
+    if "=" not in text:
+        raise ConfigError(f"{text}: an override must look like section.key=value (e.g. train.steps=100)")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".")]
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"{key}: an override key must be section.key (e.g. train.steps)")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return path, value
+
+
+def _set(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Build a validated JobConfig from an optional TOML file and `key=value` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r}: not found; pass an existing .toml file")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r}: not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {str(p)!r}: not UTF-8 text") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        _set(tree, key, value)
+    return validate_config(tree)
+
+
+def validate_config(tree: dict[str, Any]) -> JobConfig:
+    try:
+        return JobConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal config (None fields omitted)."""
+    return tomli_w.dumps(cfg.model_dump(exclude_none=True))

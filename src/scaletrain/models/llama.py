@@ -1,0 +1,197 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention through
+`scaled_dot_product_attention`.
+
+Layers live in a ModuleDict keyed "0".."L-1" so parameter names stay the same when a pipeline stage keeps only
+some of them; `tok_embeddings`, `norm` and `output` may be None on stages that do not own them.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when the shape is not a valid decoder."""
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim: {self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"model.dim: head size {self.head_dim} must be even for rotary embeddings")
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count (untied input and output embeddings)."""
+        attn = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        return self.n_layers * per_layer + self.dim + emb + (emb if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N (non-embedding matmuls plus the output layer) + 12·L·h·s attention,
+        the PaLM appendix B convention (also nanoGPT's estimate_mfu)."""
+        n = self.num_params(include_embedding=False)
+        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+
+
+def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    t = torch.arange(max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (S, head_dim/2)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, S, H, D); rotates pairs (x[2i], x[2i+1]) as in the original Llama code."""
+    x2 = x.float().unflatten(-1, (-1, 2))
+    a, b = x2[..., 0], x2[..., 1]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 for the head count lets tensor parallelism hand this module a shard of the heads
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def init_buffers(self) -> None:
+        """Recompute the rotary tables, e.g. after `to_empty()` on a model built on the meta device."""
+        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def param_init_std(name: str, args: LlamaArgs) -> float | None:
+    """Initial std for a parameter by its name; None means ones (norm weights)."""
+    leaf = name.rsplit(".", 2)
+    if name.endswith("norm.weight") or "_norm." in name:
+        return None
+    if "tok_embeddings" in name:
+        return 1.0
+    if name.startswith("output") or ".output." in name:
+        return args.dim**-0.5
+    if leaf[-2] in ("wo", "w2"):  # residual projections scaled by depth (GPT-2 / torchtitan convention)
+        return 0.02 / math.sqrt(2 * args.n_layers)
+    return 0.02
+
+
+def init_weights(model: nn.Module, args: LlamaArgs, seed: int) -> None:
+    """Fill every parameter deterministically from (seed, parameter name), whatever the layout.
+
+    Each full tensor is drawn from its own generator and each rank keeps its shard, so a model sharded by FSDP,
+    TP or PP starts from the same numbers as the single-process one. Memory: one full parameter at a time.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            clean = name.replace("module.", "").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            std = param_init_std(clean, args)
+            if std is None:
+                full = torch.ones(p.shape, dtype=torch.float32)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(clean.encode()))
+                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(full)
+    for m in model.modules():
+        if isinstance(m, Llama):
+            m.init_buffers()

@@ -1,0 +1,57 @@
+"""Rank-0 console output: a live progress bar on a terminal, plain log lines elsewhere (CI, files)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+log = logging.getLogger("scaletrain")
+
+
+def configure_logging(rank: int, all_ranks: bool) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors unless all_ranks."""
+    level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
+    prefix = f"[rank{rank}] " if all_ranks else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
+
+
+class StepProgress:
+    """Step, loss, tokens/s and ETA. Bar on a terminal; on anything else a log line per update."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, bar: bool):
+        self.enabled = enabled
+        self.total = total_steps
+        self._bar = None
+        if enabled and bar and sys.stderr.isatty():
+            self._bar = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+            self._bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+        else:
+            log.info("step %d/%d  loss %.4f  %s tok/s", step, self.total, loss, f"{tokens_per_s:,.0f}")
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            log.info("%s", text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

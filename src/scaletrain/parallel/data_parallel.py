@@ -1,0 +1,50 @@
+"""Data parallelism: DDP (bucketed, overlapping the all-reduce with backward), FSDP2 (`fully_shard`) and HSDP.
+
+FSDP2 shards each transformer block (anything in a `layers` container, else the model's direct children holding
+parameters) and then the root, so one block's all-gather overlaps the previous block's compute.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scaletrain.parallel.dims import ParallelDims
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, dtype: str, reduce_dtype: str,
+               reshard_after_forward: bool) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    if dtype == "fp32":
+        mp = MixedPrecisionPolicy()
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[reduce_dtype])
+    for block in _blocks(model):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh, device: torch.device, bucket_cap_mb: float) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = mesh["dp_replicate"].get_group()
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, process_group=group, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
+
+
+def uses_autocast(dims: ParallelDims, dtype: str) -> bool:
+    """FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-rank runs use autocast."""
+    return dtype != "fp32" and dims.mode not in ("fsdp", "hsdp")

@@ -1,0 +1,56 @@
+"""Joining the process group: under the torchrun agent, under an external `torchrun`, or as a lone process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+
+def pick_device_type(requested: str) -> str:
+    """'cuda' when asked for or when auto finds GPUs, else 'cpu'. ValueError if cuda is asked for but absent."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device: 'cuda' requested but no CUDA GPU is visible; use run.device=cpu or auto")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def init_distributed(device_type: str, timeout_s: float = 600.0) -> Runtime:
+    """Join (or reuse) the default process group: NCCL on GPUs, gloo on CPUs.
+
+    With RANK/WORLD_SIZE in the environment (torchrun) the env:// rendezvous is used; otherwise a one-rank group on
+    an in-memory store, so the same code runs in a plain `python` process.
+    """
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return Runtime(rank, local_rank, world, device, dist.get_backend())
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from scaletrain.config.schema import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on 2-D+ weights, none on norms (GPT-2 / Llama convention)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak lr before optimizer step `step` (0-based): linear warmup, then cosine/linear decay
+    to min_lr_ratio at the last step, or constant."""
+    warmup = min(cfg.warmup_steps, cfg.steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, cfg.steps - warmup - 1)
+    progress = min(1.0, (step - warmup) / span)
+    if cfg.schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
