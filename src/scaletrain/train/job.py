@@ -5,6 +5,7 @@ loss scaling, global-norm clipping and the optimizer step. The built-in trainer 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,9 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]
     for group in optimizer.param_groups:
         params = [current[old_names[id(p)]] for p in group["params"]]
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    # groups carry every hyper-parameter; defaults only for keys the constructor takes (AdamW stores extra ones)
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:

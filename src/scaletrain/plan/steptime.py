@@ -1,0 +1,129 @@
+"""Step time per layout, seconds, split into compute, exposed communication, pipeline bubble and optimizer.
+
+Compute: FLOPs / (peak x achievable fraction): weight matmuls at the GPU's measured matmul ceiling, causal
+attention at the fused-attention fraction, pointwise ops as bytes / memory bandwidth; backward = 2 x forward;
+full checkpointing re-runs the forward of every block, selective re-runs the pointwise ops.
+Communication per micro-batch and per step from message sizes over the link each mesh dim crosses (comm.py);
+FSDP gathers and DDP/FSDP gradient reductions overlap with compute (only what sticks out counts), TP and PP
+traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble ratio (pipeline.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scaletrain.hardware.cluster import Cluster
+from scaletrain.plan.comm import collective_seconds, p2p_seconds
+from scaletrain.plan.layout import ELEMENT_BYTES, PRECISIONS, LayoutGrid, Workload
+from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
+from scaletrain.plan.pipeline import bubble_ratio, p2p_factor
+from scaletrain.plan.shapes import (
+    attention_flops_per_token_layer,
+    matmul_flops_per_token_layer,
+    output_flops_per_token,
+    param_columns,
+)
+
+# unconfirmed estimate: elements read + written by one block's pointwise ops per token in forward, counted from
+# the eager block's code: norms 4h, residual adds 6h, RoPE in fp32 ~22h, KV repeat ~3h, reshapes 2h; SiLU and
+# gating 5 x ffn
+POINTWISE_ELEMENTS_H, POINTWISE_ELEMENTS_FFN = 40.0, 6.0
+# unconfirmed estimate: bytes per token and vocabulary entry the loss moves, forward + backward (logits, their fp32
+# copy, log-softmax, and the gradients of each)
+LOSS_BYTES_PER_VOCAB = 24.0
+ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
+
+TIME_LINES = ("compute", "recompute", "tp comm", "cp comm", "pp p2p", "dp comm exposed", "bubble", "optimizer")
+
+
+def peak_flops(cluster: Cluster, precision) -> np.ndarray:
+    """Dense FLOP/s per GPU for each precision code (the datasheet peak MFU is measured against)."""
+    g = cluster.gpu
+    table = np.asarray([g.bf16_flops, g.bf16_flops, g.fp32_flops], dtype=np.float64)
+    return table[np.asarray(precision)]
+
+
+def matmul_rate(cluster: Cluster, precision) -> np.ndarray:
+    """Achievable matmul FLOP/s: measured by calibration, else peak x the GPU's measured matmul ceiling."""
+    if cluster.measured_matmul_flops:
+        return np.full(np.shape(precision), cluster.measured_matmul_flops)
+    return peak_flops(cluster, precision) * cluster.gpu.matmul_efficiency
+
+
+def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dict | None = None,
+                   ) -> dict[str, np.ndarray]:
+    """Seconds per optimizer step for every layout, one array per line of TIME_LINES (they add up to the step)."""
+    args = work.args
+    s = work.seq_len
+    cols = cols if cols is not None else param_columns(args, grid.tp, grid.pp, grid.dp_shard)
+    e = np.asarray([ELEMENT_BYTES[p] for p in PRECISIONS], dtype=np.float64)[grid.precision]
+    tp, pp, cp = (x.astype(np.float64) for x in (grid.tp, grid.pp, grid.cp))
+    dps, dpr = grid.dp_shard.astype(np.float64), grid.dp_replicate.astype(np.float64)
+    m = grid.accumulation.astype(np.float64)
+    layers = cols["layers"]
+
+    r_mm = matmul_rate(cluster, grid.precision)
+    r_attn = r_mm * cluster.gpu.attention_efficiency / cluster.gpu.matmul_efficiency
+    bw = cluster.memory_bw
+    tok = grid.micro_batch * s / cp  # tokens of one micro-batch on one rank (TP ranks share them)
+
+    pointwise_fwd = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp / bw
+    layer_fwd = (tok * matmul_flops_per_token_layer(args) / tp / r_mm
+                 + tok * attention_flops_per_token_layer(args, s) / tp / r_attn + pointwise_fwd)
+    out_fwd = tok * output_flops_per_token(args) / tp / r_mm + tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw
+    compute_mb = 3.0 * (layers * layer_fwd + out_fwd)
+    recompute_mb = np.select([grid.ac == 2, grid.ac == 1], [layers * layer_fwd, layers * pointwise_fwd], 0.0)
+
+    # tensor parallel (sequence parallel): per block 2 all-gathers + 2 reduce-scatters forward, as many backward,
+    # 2 more for a recomputed forward; the output layer gathers once each way
+    act_bytes = tok * args.dim * e
+    tp_ops = layers * (8.0 + np.where(grid.ac == 2, 4.0, 0.0)) + 2.0
+    tp_mb = tp_ops * collective_seconds("all_gather", act_bytes, tp, 1, cluster)
+
+    # context parallel: each block all-gathers K and V forward and again backward, reduce-scatters their grads;
+    # it overlaps with attention compute
+    kv_bytes = 2.0 * grid.micro_batch * s * args.n_kv_heads * args.head_dim * e / tp
+    cp_comm = 3.0 * layers * collective_seconds("all_gather", kv_bytes, cp, tp, cluster)
+    attn_time = 3.0 * layers * tok * attention_flops_per_token_layer(args, s) / tp / r_attn
+    cp_mb = np.maximum(0.0, cp_comm - attn_time)
+
+    # pipeline: activations forward and their gradients back, per micro-batch, sequence-sharded over TP
+    dp_total = dps * dpr
+    pp_inner = tp * cp * dp_total
+    pp_mb = np.where(pp > 1, 2.0 * p2p_factor(grid.schedule) * p2p_seconds(act_bytes / tp, pp_inner, pp, cluster),
+                     0.0)
+
+    # data parallel
+    fwd_compute = compute_mb / 3.0
+    bwd_compute = compute_mb - fwd_compute
+    gather = collective_seconds("all_gather", e * cols["n_tp"], dps, tp * cp, cluster)
+    gather_bwd = gather * (cols["n_tp"] - cols["root_tp"]) / cols["n_tp"]  # the root stays gathered
+    rs = collective_seconds("reduce_scatter", 4.0 * cols["n_tp"], dps, tp * cp, cluster)
+    hsdp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"] / dps, dpr, tp * cp * dps, cluster)
+    fsdp = grid.dp_shard > 1
+    fsdp_mb = np.where(fsdp, np.maximum(0.0, gather - fwd_compute) + gather / np.maximum(layers, 1)
+                       + np.maximum(0.0, gather_bwd - bwd_compute), 0.0)
+    fsdp_last = np.where(fsdp, np.maximum(0.0, gather_bwd + rs + hsdp_ar - bwd_compute)
+                         - np.maximum(0.0, gather_bwd - bwd_compute) + (rs + hsdp_ar) / np.maximum(layers, 1), 0.0)
+    ddp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster)
+    tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
+    ddp_last = np.where(~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar - bwd_compute) + ddp_ar * tail, 0.0)
+
+    mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
+    ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)
+    optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / bw
+
+    return {
+        "compute": m * compute_mb,
+        "recompute": m * recompute_mb,
+        "tp comm": m * tp_mb,
+        "cp comm": m * cp_mb,
+        "pp p2p": m * pp_mb,
+        "dp comm exposed": m * fsdp_mb + fsdp_last + ddp_last,
+        "bubble": m * mb * ratio,
+        "optimizer": optimizer,
+    }
+
+
+def step_seconds(lines: dict[str, np.ndarray]) -> np.ndarray:
+    return sum(lines[k] for k in TIME_LINES)

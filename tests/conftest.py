@@ -1,0 +1,39 @@
+"""Shared helpers: run the real `scaletrain` command in a subprocess and read what a run wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaletrain.monitor import read_jsonl
+
+# A small, fast job: tiny model, 300 kB of stdlib text, short sequences, a loss every step.
+FAST = ["train.steps=10", "monitor.log_interval=1", "train.global_batch_size=16", "data.seq_len=64",
+        "train.eval_batches=1", "data.max_bytes=300000", "train.warmup_steps=2", "monitor.progress=false"]
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 600, check: bool = True,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "scaletrain.cli.main", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"scaletrain {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def val_losses(run_dir: Path) -> list[float]:
+    return [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,71 @@
+"""Bad input: one line on stderr naming what is wrong, exit code 2, and nothing written."""
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import run_cli
+from scaletrain.cli.main import main
+
+BAD = [
+    (["model.foo=1"], "model.foo"),                                   # unknown key
+    (["nosuch.key=1"], "nosuch"),                                     # unknown section
+    (["train.steps=abc"], "train.steps"),                             # wrong type
+    (["train.steps=1.5"], "train.steps"),                             # float for an int
+    (["train.lr=-0.1"], "train.lr"),                                  # negative lr
+    (["model.name=gpt-9"], "model.name"),                             # unknown model
+    (["model.n_heads=3"], "model.dim"),                               # heads do not divide the hidden size
+    (["model.vocab_size=100"], "model.vocab_size"),                   # too small for byte tokens
+    (["parallel.dp_replicate=3"], "parallel"),                        # dp degree does not divide world size 2
+    (["parallel.dp_shard=4"], "parallel"),                            # degrees multiply to 4, world is 2
+    (["train.global_batch_size=15"], "train.global_batch_size"),      # not divisible by dp=2
+    (["train.micro_batch_size=3"], "train.micro_batch_size"),         # 8 per rank do not split into 3s
+    (["data.seq_len=100000"], "data.seq_len"),                        # longer than the model's context
+    (["data.source=tokens"], "data.path"),                            # token source without a file
+    (["data.source=tokens", "data.path=/no/such/tokens.bin"], "data.path"),  # missing data file
+    (["data.val_fraction=0.9"], "data.val_fraction"),                 # out of range
+    (["precision.dtype=fp7"], "precision.dtype"),                     # unknown dtype
+    (["run.device=cuda"], "run.device"),                              # no GPU on this host
+    (["missing.toml"], "config file"),                                # missing config file
+    (["train.steps=0"], "train.steps"),                               # zero steps
+    (["launch.nnodes=2"], "launch.rdzv_endpoint"),                    # multi-node without a rendezvous host
+]
+
+
+@pytest.mark.parametrize("args, field", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, args, field):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["train", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"scaletrain: error: {field}"), lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_config_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken.toml").write_text("[train\nsteps = 3\n")
+    (tmp_path / "typed.toml").write_text('[train]\nsteps = "10"\n')
+    for name, field in [("broken.toml", "config file"), ("typed.toml", "train.steps")]:
+        result = CliRunner().invoke(main, ["train", name, "run.name=x"])
+        assert result.exit_code == 2
+        assert result.stderr.startswith(f"scaletrain: error: {field}"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = CliRunner().invoke(main, ["train", "typed.toml", "train.steps"])
+    assert result.exit_code == 2 and "section.key=value" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.toml", "typed.toml"]
+
+
+def test_real_process_exit_code(tmp_path):
+    proc = run_cli(["train", "train.lr=-1"], tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "scaletrain: error: train.lr: input should be greater than 0 (got -1)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_print_config_is_loadable_toml(tmp_path):
+    proc = run_cli(["train", "--print-config", "train.steps=5", "parallel.dp_replicate=2"], tmp_path)
+    (tmp_path / "job.toml").write_text(proc.stdout)
+    again = run_cli(["train", "job.toml", "--print-config"], tmp_path)
+    assert again.stdout == proc.stdout
+    assert "steps = 5" in proc.stdout
