@@ -11,8 +11,6 @@ import json
 import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
@@ -23,30 +21,7 @@ from scaletrain.parallel import apply_parallelism, build_mesh, dp_coordinates, i
 from scaletrain.train.job import Job, make_scaler
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.preflight import resolve_job, run_dir
-
-
-def _sum_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
-    return value.item()
-
-
-def _token_loss_sum(job: Job, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    with job.autocast():
-        logits = job.model(inputs.to(job.device, non_blocking=True))
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.to(job.device).flatten(), reduction="sum")
-
-
-@torch.no_grad()
-def evaluate(job: Job, loader: DistributedLoader, batches: int, tokens_per_batch: int) -> float:
-    """Mean token loss over the first `batches` global batches of the validation stream."""
-    loader.consumed_samples = 0
-    total = torch.zeros((), device=job.device)
-    for _ in range(batches):
-        for mb in loader.next_step():
-            total += _token_loss_sum(job, mb.inputs, mb.targets)
-    return _sum_over_ranks(total) / (batches * tokens_per_batch)
+from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
 
 
 def train(cfg: JobConfig) -> dict:
@@ -99,20 +74,14 @@ def train(cfg: JobConfig) -> dict:
     t_start = t_log = time.perf_counter()
     steps_since_log = 0
     for step in range(1, cfg.train.steps + 1):
-        loss_sum = torch.zeros((), device=rt.device)
-        micro_batches = loader.next_step()
-        for i, mb in enumerate(micro_batches):
-            with job.accumulate(sync=i == len(micro_batches) - 1):
-                loss = _token_loss_sum(job, mb.inputs, mb.targets)
-                job.backward(loss * loss_scale)
-            loss_sum += loss.detach()
+        loss_sum = forward_backward(job, loader.next_step(), loss_scale)
         grad_norm = job.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         steps_since_log += 1
 
         if step % cfg.monitor.log_interval == 0 or step == cfg.train.steps:
-            last_loss = _sum_over_ranks(loss_sum) / tokens_per_step
+            last_loss = sum_over_ranks(loss_sum) / tokens_per_step
             now = time.perf_counter()
             step_time = (now - t_log) / steps_since_log
             tps = tokens_per_step / step_time
