@@ -87,5 +87,10 @@ def models() -> None:
                    f"heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  vocab {a.vocab_size}")
 
 
+from scaletrain.cli.plan import bench, plan  # noqa: E402  (the planner's commands)
+
+main.add_command(plan)
+main.add_command(bench)
+
 if __name__ == "__main__":
     main()

@@ -104,7 +104,7 @@ def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
 
 def _cp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
     wanted = opts.cp if opts.cp is not None else ((1, 2, 4, 8) if work.seq_len >= 32768 else (1,))
-    return [c for c in wanted if world % c == 0 and work.seq_len % (2 * c) == 0 or c == 1]
+    return [c for c in wanted if c == 1 or (world % c == 0 and work.seq_len % (2 * c) == 0)]
 
 
 def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> LayoutGrid:

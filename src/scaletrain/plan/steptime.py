@@ -70,7 +70,8 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     pointwise_fwd = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp / bw
     layer_fwd = (tok * matmul_flops_per_token_layer(args) / tp / r_mm
                  + tok * attention_flops_per_token_layer(args, s) / tp / r_attn + pointwise_fwd)
-    out_fwd = tok * output_flops_per_token(args) / tp / r_mm + tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw
+    loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
+    out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
     compute_mb = 3.0 * (layers * layer_fwd + out_fwd)
     recompute_mb = np.select([grid.ac == 2, grid.ac == 1], [layers * layer_fwd, layers * pointwise_fwd], 0.0)
 

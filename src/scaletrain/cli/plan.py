@@ -1,0 +1,368 @@
+"""`scaletrain plan` and `scaletrain bench`: thin wrappers over scaletrain.plan and scaletrain.hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+
+def _fail(message: str) -> None:
+    from scaletrain.cli.main import fail
+
+    fail(message)
+
+
+def _number(text: str | None, flag: str) -> float | None:
+    """'8e9', '8B', '15T', '500M' -> float."""
+    if text is None:
+        return None
+    t = text.strip().upper().replace("_", "")
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        _fail(f"{flag}: expected a number such as 8e9, 8B or 15T (got {text!r})")
+    if value <= 0:
+        _fail(f"{flag}: must be positive (got {text!r})")
+    return value
+
+
+def _list(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _console():
+    from rich.console import Console
+
+    width = None if sys.stdout.isatty() else 200
+    return Console(width=width, highlight=False, soft_wrap=False)
+
+
+def _workload(model, params, dims, seq_len, global_batch, gpus):
+    from scaletrain.models import PRESETS
+    from scaletrain.plan.layout import Workload
+    from scaletrain.plan.shapes import llama_args_for_params
+
+    if params is not None:
+        args, name = llama_args_for_params(params), f"custom-{params / 1e9:.3g}b"
+    else:
+        if model not in PRESETS:
+            _fail(f"--model: unknown model {model!r}; choose one of {', '.join(PRESETS)} or pass --params")
+        args, name = PRESETS[model], model
+    changes = {k: v for k, v in dims.items() if v is not None}
+    if changes:
+        for k, v in changes.items():
+            if v <= 0:
+                _fail(f"--{k.replace('_', '-')}: must be positive (got {v})")
+        args = dataclasses.replace(args, **changes)
+        name += "*"
+        try:
+            args.check()
+        except ValueError as e:
+            _fail(str(e))
+    seq = seq_len or min(8192, args.max_seq_len)
+    if seq < 2:
+        _fail(f"--seq-len: must be at least 2 (got {seq})")
+    if seq > args.max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=seq)
+    gb = global_batch or max(256, gpus)
+    if gb < 1:
+        _fail(f"--global-batch: must be at least 1 (got {gb})")
+    return Workload(name, args, seq, gb)
+
+
+def _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd, pue):
+    from scaletrain.hardware import (
+        CalibrationError,
+        ClusterFileError,
+        apply_calibration,
+        load_calibration,
+        load_cluster,
+        make_cluster,
+    )
+
+    if gpus is not None and gpus < 1:
+        _fail(f"--gpus: must be at least 1 (got {gpus})")
+    try:
+        if cluster_file:
+            cluster = load_cluster(cluster_file, gpus)
+            if usd is not None:
+                cluster = dataclasses.replace(cluster, usd_per_gpu_hour=usd)
+            if pue is not None:
+                cluster = dataclasses.replace(cluster, pue=pue)
+        else:
+            if gpus is None:
+                _fail("--gpus: required (or pass --cluster FILE.toml)")
+            kwargs = {"pue": pue} if pue is not None else {}
+            cluster = make_cluster(gpu, gpus, interconnect, gpus_per_node, usd, **kwargs)
+        if calibration:
+            cluster = apply_calibration(cluster, load_calibration(calibration))
+    except (ClusterFileError, CalibrationError, ValueError) as e:
+        _fail(str(e))
+    return cluster
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "-"
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min"
+
+
+def _breakdown(row) -> str:
+    m = row.memory
+    states = m["parameters"] + m["gradients"] + m["optimizer states"]
+    act = m["activations"] + m["recompute working set"] + m["output layer + loss"]
+    other = row.memory_total - states - act
+    return f"states {_gb(states)} · act {_gb(act)} · other {_gb(other)}"
+
+
+def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
+    from rich.table import Table
+
+    con = _console()
+    w, c = result.work, result.cluster
+    a = w.args
+    con.print(f"[bold]{w.model_name}[/] ({a.num_params() / 1e9:.2f} B params, {a.n_layers} layers, dim {a.dim}) · "
+              f"seq {w.seq_len} · global batch {w.global_batch} ({w.tokens_per_step:,} tokens/step)")
+    con.print(f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · {c.nodes} node(s) of {c.gpus_per_node} · "
+              f"{c.intra_link.name} inside, {c.inter_link.name} between"
+              + (f" · {c.calibration_note}" if c.calibration_note else ""))
+    con.print(f"searched {result.searched:,} layouts in {result.seconds:.2f} s; {result.fitting:,} fit")
+    table = Table(show_lines=False)
+    for col in ("#", "layout", "mem/GPU GB", "breakdown GB", "step s", "tokens/s", "MFU", "bubble %", "comm %"):
+        table.add_column(col, justify="left" if col in ("layout", "breakdown GB") else "right", no_wrap=True)
+    for i, r in enumerate(result.rows, 1):
+        table.add_row(str(i), r.layout.describe(), _gb(r.memory_total), _breakdown(r), f"{r.step_s:.3g}",
+                      f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.bubble_share:.1%}", f"{r.comm_share:.1%}")
+    con.print(table)
+    top = result.rows[0]
+    con.print("[bold]memory of #1 per GPU[/]: " + " · ".join(
+        f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0))
+    con.print("[bold]run #1 with[/]: " + top.layout.to_overrides())
+    con.print("[bold]why #1[/]:")
+    for line in top_lines:
+        con.print(f"  - {line}")
+    if alt_lines:
+        con.print("[bold]why not the alternatives[/]:")
+        for line in alt_lines:
+            con.print(f"  - {line}")
+    con.print("[bold]advice[/]:")
+    for line in advice:
+        con.print(f"  - {line}")
+    if budget is not None:
+        con.print(f"[bold]token budget[/]: {_duration(budget.time_to_train_s)}, {budget.gpu_hours:,.0f} GPU-hours, "
+                  f"${budget.cost_usd:,.0f}, {budget.energy_kwh:,.0f} kWh (PUE {c.pue}), "
+                  f"{budget.node_kw:.1f} kW per node, {budget.cluster_kw:.1f} kW in all")
+
+
+def _print_compare(budgets, tokens, work) -> None:
+    from rich.table import Table
+
+    con = _console()
+    con.print(f"[bold]{work.model_name}[/] · {tokens:.3g} tokens · seq {work.seq_len} · global batch "
+              f"{work.global_batch}")
+    table = Table()
+    for col in ("gpu", "gpus", "best layout", "tokens/s", "MFU", "time to train", "GPU-hours", "cost $",
+                "energy kWh", "kW/node", "kW total"):
+        table.add_column(col, justify="left" if col in ("gpu", "best layout") else "right", no_wrap=True)
+    for b in budgets:
+        if not b.fits:
+            table.add_row(b.gpu, str(b.gpus), "does not fit", "-", "-", "-", "-", "-", "-", f"{b.node_kw:.1f}",
+                          f"{b.cluster_kw:.1f}")
+            continue
+        table.add_row(b.gpu, str(b.gpus), b.layout, f"{b.tokens_per_s:,.0f}", f"{b.mfu:.1%}",
+                      _duration(b.time_to_train_s), f"{b.gpu_hours:,.0f}", f"{b.cost_usd:,.0f}",
+                      f"{b.energy_kwh:,.0f}", f"{b.node_kw:.1f}", f"{b.cluster_kw:.1f}")
+    con.print(table)
+    con.print("prices and node overheads are placeholders unless a cluster file or --usd-per-gpu-hour sets them")
+
+
+@click.command()
+@click.option("--model", default="llama-8b", show_default=True, help="Built-in preset (see `scaletrain models`).")
+@click.option("--params", "params_text", default=None, help="Custom Llama-shaped size instead, e.g. 70B or 1e12.")
+@click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
+@click.option("--layers", "n_layers", type=int, default=None)
+@click.option("--heads", "n_heads", type=int, default=None)
+@click.option("--kv-heads", "n_kv_heads", type=int, default=None)
+@click.option("--ffn-dim", type=int, default=None)
+@click.option("--vocab", "vocab_size", type=int, default=None)
+@click.option("--gpus", type=int, default=None, help="Number of GPUs (required without --cluster).")
+@click.option("--gpu", default="h100-sxm", show_default=True, help="GPU type from the catalog.")
+@click.option("--interconnect", default=None, help="INTRA[,INTER] links, e.g. nvlink4,ib-ndr (default: the GPU's).")
+@click.option("--gpus-per-node", type=int, default=None)
+@click.option("--cluster", "cluster_file", default=None, help="TOML cluster file (see docs/planner.md).")
+@click.option("--calibration", default=None, help="Calibration TOML from `scaletrain bench`.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: min(8192, model max)).")
+@click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default max(256, gpus)).")
+@click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
+@click.option("--ac", "ac_modes", default="none,selective,full", show_default=True,
+              help="Activation checkpointing modes to search.")
+@click.option("--schedules", default=None, help="Pipeline schedules to search (default: all).")
+@click.option("--cp", "cp_text", default=None, help="Context-parallel degrees to search, e.g. 1,2,4 (default: auto).")
+@click.option("--top", type=int, default=10, show_default=True, help="Rows in the table.")
+@click.option("--tokens", "tokens_text", default=None, help="Token budget for time, cost and energy, e.g. 15T.")
+@click.option("--compare-gpus", default=None, help="GPU types to compare for --tokens, e.g. h100-sxm,l40s.")
+@click.option("--usd-per-gpu-hour", type=float, default=None)
+@click.option("--pue", type=float, default=None, help="Power usage effectiveness (default 1.3, a placeholder).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, gpus, gpu, interconnect,
+         gpus_per_node, cluster_file, calibration, seq_len, global_batch, precisions, ac_modes, schedules, cp_text,
+         top, tokens_text, compare_gpus, usd_per_gpu_hour, pue, as_json) -> None:
+    """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
+    explained. Example: `scaletrain plan --model llama-8b --gpus 64 --gpu h100-sxm --interconnect nvlink4,ib-ndr`."""
+    from scaletrain.plan import (
+        SearchOptions,
+        budget_for,
+        compare_gpus as compare,
+        explain_alternatives,
+        explain_top,
+        fits_on,
+        search_layouts,
+        smallest_setup,
+    )
+    from scaletrain.plan.advice import fit_reason
+    from scaletrain.plan.layout import AC_MODES, PRECISIONS
+    from scaletrain.plan.pipeline import schedule_index
+
+    params = _number(params_text, "--params")
+    tokens = _number(tokens_text, "--tokens")
+    if top < 1:
+        _fail(f"--top: must be at least 1 (got {top})")
+    if pue is not None and pue < 1:
+        _fail(f"--pue: must be at least 1.0 (got {pue})")
+    if usd_per_gpu_hour is not None and usd_per_gpu_hour < 0:
+        _fail(f"--usd-per-gpu-hour: must not be negative (got {usd_per_gpu_hour})")
+    precs, acs = _list(precisions), _list(ac_modes)
+    for p in precs:
+        if p not in PRECISIONS:
+            _fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISIONS)}")
+    for a in acs:
+        if a not in AC_MODES:
+            _fail(f"--ac: unknown mode {a!r}; choose from {', '.join(AC_MODES)}")
+    if not precs or not acs:
+        _fail("--precision/--ac: give at least one value")
+    sched = _list(schedules)
+    for name in sched or ():
+        try:
+            if schedule_index(name) == 0:
+                raise ValueError(f"--schedules: {name!r} is not a pipeline schedule")
+        except ValueError as e:
+            _fail(str(e))
+    cps = None
+    if cp_text:
+        try:
+            cps = tuple(int(x) for x in _list(cp_text))
+        except ValueError:
+            _fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
+        if any(c < 1 for c in cps):
+            _fail(f"--cp: degrees must be at least 1 (got {cp_text!r})")
+    opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top,
+                         **({"schedules": sched} if sched else {}))
+
+    cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
+    try:
+        work = _workload(model, params, {"dim": dim, "n_layers": n_layers, "n_heads": n_heads,
+                                         "n_kv_heads": n_kv_heads, "ffn_dim": ffn_dim, "vocab_size": vocab_size},
+                         seq_len, global_batch, cluster.gpus)
+    except ValueError as e:
+        _fail(str(e))
+
+    if compare_gpus:
+        if tokens is None:
+            _fail("--compare-gpus: needs a token budget; add --tokens (e.g. --tokens 1T)")
+        try:
+            budgets = compare(work, list(_list(compare_gpus)), cluster.gpus, tokens, opts,
+                              inter_link=cluster.inter_link.name if interconnect and "," in interconnect else None,
+                              usd_per_gpu_hour=usd_per_gpu_hour, pue=pue)
+        except ValueError as e:
+            _fail(str(e).replace("--gpu:", "--compare-gpus:"))
+        if not any(b.fits for b in budgets):
+            _fail(f"{work.model_name} fits on none of {compare_gpus} with {cluster.gpus} GPUs; "
+                  f"{budgets[0].note}")
+        if as_json:
+            click.echo(json.dumps({"model": work.model_name, "tokens": tokens,
+                                   "compare": [b.to_dict() for b in budgets]}, indent=2))
+        else:
+            _print_compare(budgets, tokens, work)
+        return
+
+    result = search_layouts(work, cluster, opts)
+    if not result.rows:
+        smallest = smallest_setup(work, cluster, opts)
+        where = (f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} "
+                 f"({smallest.row.layout.describe()})" if smallest else
+                 f"it fits on no count of {cluster.gpu.name} up to 65,536")
+        _fail(f"{work.model_name} does not fit on {cluster.gpus} x {cluster.gpu.name}: {fit_reason(result)}; "
+              f"{where}")
+
+    one = fits_on(work, cluster.with_gpus(1), opts) if cluster.gpus > 1 else None
+    advice = []
+    if one is not None:
+        advice.append(f"one {cluster.gpu.name}: {one.reason}")
+        if not one.fits:
+            smallest = smallest_setup(work, cluster, opts)
+            if smallest:
+                nodes = "one server" if smallest.gpus <= cluster.gpus_per_node else \
+                    f"{smallest.gpus // cluster.gpus_per_node} nodes"
+                advice.append(f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
+                              f"{smallest.row.layout.describe()}")
+    else:
+        advice.append(f"one {cluster.gpu.name}: {fit_reason(result)}")
+    budget = budget_for(result, tokens) if tokens else None
+    if as_json:
+        click.echo(json.dumps({
+            "model": {"name": work.model_name, **dataclasses.asdict(work.args),
+                      "params": work.args.num_params()},
+            "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch},
+            "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
+                        "nodes": cluster.nodes, "intra_link": cluster.intra_link.name,
+                        "inter_link": cluster.inter_link.name, "memory_bytes": cluster.memory_bytes,
+                        "calibration": cluster.calibration_note or None},
+            "searched": result.searched, "fitting": result.fitting, "search_seconds": result.seconds,
+            "layouts": [r.to_dict() for r in result.rows],
+            "why": explain_top(result), "alternatives": explain_alternatives(result), "advice": advice,
+            "budget": budget.to_dict() if budget else None}, indent=2))
+        return
+    _print_plan(result, explain_top(result), explain_alternatives(result), advice, budget)
+
+
+@click.command()
+@click.option("--output", "-o", default="calibration.toml", show_default=True, help="Calibration TOML to write.")
+@click.option("--nproc", type=int, default=2, show_default=True, help="Local ranks for the all-reduce test.")
+@click.option("--size-mb", type=float, default=16.0, show_default=True, help="All-reduce message size, MiB.")
+@click.option("--matmul-n", type=int, default=1024, show_default=True, help="Square matmul size.")
+def bench(output, nproc, size_mb, matmul_n) -> None:
+    """Measure this host's matmul FLOP/s, copy bandwidth and all-reduce bus bandwidth; write a calibration TOML
+    for `scaletrain plan --calibration FILE`."""
+    from scaletrain.hardware.bench import run_bench
+    from scaletrain.hardware.calibration import save_calibration
+
+    if nproc < 2:
+        _fail(f"--nproc: an all-reduce needs at least 2 ranks (got {nproc})")
+    if size_mb <= 0 or matmul_n < 16:
+        _fail("--size-mb must be positive and --matmul-n at least 16")
+    out = Path(output)
+    if out.exists() and out.is_dir():
+        _fail(f"--output: {output!r} is a folder; give a file name")
+    if not out.parent.exists():
+        _fail(f"--output: folder {str(out.parent)!r} does not exist")
+    cal = run_bench(nproc=nproc, matmul_n=matmul_n, allreduce_bytes=int(size_mb * 2**20))
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    save_calibration(cal, tmp)
+    tmp.replace(out)  # written whole or not at all
+    click.echo(f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
+               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
+               f"over {cal.ranks} ranks -> {output}")

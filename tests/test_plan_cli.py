@@ -1,0 +1,128 @@
+"""`scaletrain plan` and `scaletrain bench` as a user runs them: tables, JSON, exit codes, files written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from scaletrain.cli.main import main
+
+PLAN_8B = ["plan", "--model", "llama-8b", "--gpus", "64", "--gpu", "h100-sxm", "--interconnect", "nvlink4,ib-ndr",
+           "--seq-len", "8192", "--global-batch", "512"]
+
+
+def run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_plan_prints_ranked_table_and_explanations():
+    r = run(PLAN_8B)
+    assert r.exit_code == 0, r.output
+    for text in ("layout", "mem/GPU GB", "step s", "tokens/s", "MFU", "bubble %", "comm %", "why #1",
+                 "why not the alternatives", "crosses nodes over ib-ndr", "run #1 with: parallel.dp_replicate=",
+                 "one h100-sxm", "CUDA context"):
+        assert text in r.output, text
+
+
+def test_plan_json():
+    r = run(PLAN_8B + ["--json", "--tokens", "1T"])
+    assert r.exit_code == 0
+    data = json.loads(r.output)
+    top = data["layouts"][0]
+    assert top["fits"] and top["memory_bytes"]["total"] <= 80e9
+    assert set(top["memory_bytes"]) >= {"parameters", "gradients", "optimizer states", "activations",
+                                        "CUDA context", "comm buffers", "fragmentation"}
+    assert "parallel.dp_shard=" in top["layout"]["overrides"]
+    assert data["budget"]["gpu_hours"] > 0 and data["budget"]["energy_kwh"] > 0
+    assert data["why"] and data["alternatives"] and data["advice"]
+
+
+def test_compare_gpus_for_a_token_budget():
+    r = run(["plan", "--model", "llama-8b", "--gpus", "64", "--tokens", "1T", "--precision", "bf16",
+             "--compare-gpus", "h100-sxm,l40s,a100-80gb", "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["compare"]
+    assert [x["gpu"] for x in rows] == ["h100-sxm", "l40s", "a100-80gb"]
+    for x in rows:
+        assert x["time_to_train_s"] > 0 and x["gpu_hours"] > 0 and x["cost_usd"] > 0 and x["energy_kwh"] > 0
+        assert x["node_kw"] > 0
+    table = run(["plan", "--gpus", "64", "--tokens", "1T", "--compare-gpus", "h100-sxm,l40s"])
+    assert table.exit_code == 0 and "time to train" in table.output and "kW/node" in table.output
+
+
+def test_custom_size_and_cluster_file(tmp_path):
+    f = tmp_path / "lab.toml"
+    f.write_text('gpu = "my-gpu"\ngpus_per_node = 4\nnodes = 4\nintra_node_link = "pcie5"\n'
+                 'inter_node_link = "roce-400"\nusd_per_gpu_hour = 1.5\npue = 1.2\n'
+                 '[gpu_types.my-gpu]\nmemory_gb = 96\nmemory_bw_tbs = 3.0\nbf16_tflops = 500\npower_w = 500\n'
+                 'source = "test figures"\n')
+    r = run(["plan", "--params", "13B", "--cluster", str(f), "--seq-len", "4096", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["cluster"] == {**data["cluster"], "gpu": "my-gpu", "gpus": 16, "nodes": 4, "intra_link": "pcie5",
+                               "inter_link": "roce-400"}
+    assert 12e9 < data["model"]["params"] < 14e9
+
+
+BAD = [
+    (["plan", "--gpus", "0"], "--gpus: must be at least 1"),
+    (["plan", "--gpus", "8", "--gpu", "h900"], "--gpu: unknown GPU 'h900'"),
+    (["plan", "--gpus", "8", "--interconnect", "ib-ndr,nvlink4"], "--interconnect:"),
+    (["plan", "--gpus", "12"], "not a whole number of 8-GPU nodes"),
+    (["plan", "--gpus", "8", "--model", "gpt-5"], "--model: unknown model"),
+    (["plan", "--gpus", "8", "--params", "lots"], "--params: expected a number"),
+    (["plan", "--gpus", "8", "--compare-gpus", "l40s"], "--compare-gpus: needs a token budget"),
+    (["plan", "--gpus", "8", "--gpu", "rtx-4090", "--params", "1e15"], "does not fit"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[b[1][:30] for b in BAD])
+def test_impossible_requests_fail_in_one_line(args, message):
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scaletrain: error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("text,message", [
+    ('gpu = "h100-sxm"\ngpus_per_node = 8\nnodse = 2\n', "nodse: unknown key"),
+    ('gpu = "h100-sxm"\ngpus_per_node = "8"\n', "gpus_per_node"),
+    ('gpu = "h100-sxm"\ngpus_per_node = 8\n[', "not valid TOML"),
+    ('gpu = "tpu-v9"\ngpus_per_node = 8\n', "gpu: unknown GPU"),
+    ('gpu = "h100-sxm"\ngpus_per_node = 8\ninter_node_link = "nvlink4"\n', "intra_node_link/inter_node_link"),
+    ('gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
+     'power_w = 300\n', "gpu_types.x.source"),
+])
+def test_bad_cluster_files(tmp_path, text, message):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    r = CliRunner().invoke(main, ["plan", "--cluster", str(f)])
+    assert r.exit_code == 2 and r.stdout == ""
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith("scaletrain: error: cluster file") and message in line, line
+    missing = CliRunner().invoke(main, ["plan", "--cluster", str(tmp_path / "none.toml")])
+    assert missing.exit_code == 2 and "not found" in missing.stderr
+
+
+def test_bench_writes_calibration_the_planner_uses(tmp_path):
+    cal = tmp_path / "cal.toml"
+    # a real process: bench spawns gloo ranks of its own
+    p = subprocess.run([sys.executable, "-m", "scaletrain.cli.main", "bench", "-o", str(cal), "--size-mb", "1",
+                        "--matmul-n", "256"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "all-reduce busbw" in p.stdout and cal.is_file()
+    r = run(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--calibration", str(cal),
+             "--seq-len", "256", "--global-batch", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["cluster"]["calibration"].startswith("calibrated on")
+    wrong = CliRunner().invoke(main, ["plan", "--gpus", "8", "--calibration", str(cal)])
+    assert wrong.exit_code == 2 and "measured on 'cpu'" in wrong.stderr
+    before = sorted(tmp_path.iterdir())
+    bad = CliRunner().invoke(main, ["bench", "-o", str(tmp_path / "x.toml"), "--nproc", "1"])
+    assert bad.exit_code == 2 and sorted(tmp_path.iterdir()) == before  # nothing written
