@@ -64,17 +64,29 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None)
     except ValueError as e:
         fail(str(e))
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.launch.local import launch_local
+    from scaletrain.train.preemption import EXIT_REQUEUE
 
     try:
         launch_local(cfg, nproc)
     except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
-        click.echo(f"scaletrain: training failed on rank {first.rank} (exit {first.exitcode}); "
-                   f"see the traceback above", err=True)
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {EXIT_REQUEUE}:
+            click.echo(f"scaletrain: preempted; a checkpoint was saved, the same command resumes it "
+                       f"(exit {EXIT_REQUEUE})", err=True)
+            sys.exit(EXIT_REQUEUE)
+        rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+        click.echo(f"scaletrain: training failed on rank {rank} (exit {first.exitcode}); "
+                   f"see the messages above", err=True)
         sys.exit(1)
+    except SignalException as e:
+        # the agent was told to stop (scheduler preemption): it sent SIGTERM to the workers, which saved
+        click.echo(f"scaletrain: stopped by {e.sigval.name}; workers checkpoint before exiting, the same command "
+                   f"resumes (exit {EXIT_REQUEUE})", err=True)
+        sys.exit(EXIT_REQUEUE)
 
 
 @main.command()
@@ -91,6 +103,19 @@ from scaletrain.cli.plan import bench, plan  # noqa: E402  (the planner's comman
 
 main.add_command(plan)
 main.add_command(bench)
+
+from scaletrain.cli.ckpt import ckpt  # noqa: E402  (checkpoint commands)
+
+main.add_command(ckpt)
+
+from scaletrain.cli.launch import doctor, launch  # noqa: E402  (launchers and the host check)
+
+main.add_command(launch)
+main.add_command(doctor)
+
+from scaletrain.cli.report import report  # noqa: E402  (the HTML report)
+
+main.add_command(report)
 
 if __name__ == "__main__":
     main()

@@ -53,10 +53,19 @@ class DataConfig(Section):
         return self
 
 
-class ParallelConfig(Section):
-    """Degrees of the device mesh. Their product is the world size; -1 on dp_shard fills the rest.
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
-    dp_replicate > 1 with dp_shard == 1 is DDP; dp_shard > 1 is FSDP2; both > 1 is HSDP.
+
+class ParallelConfig(Section):
+    """Degrees of the device mesh, and how each parallelism is applied. The degrees' product is the world size;
+    -1 on dp_shard fills the rest.
+
+    dp_replicate > 1 with dp_shard == 1 is DDP; dp_shard > 1 is FSDP2; both > 1 is HSDP. tp splits every block's
+    matmuls (DTensor), pp splits the layers into pipeline stages (torch.distributed.pipelining).
+    Applied in one fixed order: pipeline split -> TP -> activation checkpointing -> compile -> FSDP/DDP.
     """
 
     dp_replicate: int = Field(1, ge=1, description="replicated data-parallel degree (DDP, or HSDP's outer dim)")
@@ -66,14 +75,56 @@ class ParallelConfig(Section):
     fsdp_reshard_after_forward: bool = Field(
         True, description="False keeps gathered params from forward to backward (ZeRO-2-like)")
     ddp_bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size, MiB")
+    # tensor parallel
+    sequence_parallel: bool = Field(
+        False, description="tp > 1: norms and residuals sharded along the sequence (saves activation memory)")
+    loss_parallel: bool = Field(
+        True, description="tp > 1 without pp: cross-entropy on vocabulary-sharded logits, no logits all-gather")
+    tp_plan: Literal["model", "auto"] = Field(
+        "model", description="model: the model's own TP plan; auto: q/k/v/o and MLP linears found by structure")
+    # pipeline parallel
+    pp_schedule: Literal[PP_SCHEDULES] = Field(  # type: ignore[valid-type]
+        "1F1B", description="pipeline schedule (torch.distributed.pipelining name)")
+    pp_microbatches: int | None = Field(
+        None, gt=0, description="pipeline micro-batches per step and data-parallel rank; "
+        "None: from train.micro_batch_size, else the number of stages")
+    pp_stages_per_rank: int | None = Field(
+        None, gt=0, description="pipeline stages per rank; None: 1 for GPipe/1F1B, 2 for the others")
+    pp_balance: Literal["cost", "layers"] = Field(
+        "cost", description="stage split: cost balances estimated FLOPs (embedding and head counted); "
+        "layers: equal layer counts")
+    # memory and speed
+    activation_checkpoint: Literal["none", "selective", "full"] = Field(
+        "none", description="recompute activations in backward: none, selective (see ac_selective) or every block")
+    ac_selective: Literal["op", "layer"] = Field(
+        "op", description="selective: op keeps matmul/attention outputs and recomputes the rest; "
+        "layer checkpoints every ac_every-th block")
+    ac_every: int = Field(2, ge=1, description="selective layer checkpointing: every k-th block")
+    compile: bool = Field(False, description="torch.compile each transformer block")
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
 
     @model_validator(mode="after")
-    def _zero_shard(self) -> ParallelConfig:
+    def _consistent(self) -> ParallelConfig:
         if self.dp_shard == 0:
             raise ValueError("parallel.dp_shard: must be -1 (auto) or >= 1")
-        if self.tp > 1 or self.pp > 1:
-            raise ValueError("parallel.tp/pp: tensor and pipeline parallelism are not in this version; "
-                             "set parallel.tp=1 parallel.pp=1")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallel.sequence_parallel: needs parallel.tp > 1")
+        v, sched = self.stages_per_rank, self.pp_schedule
+        if sched in SINGLE_STAGE_SCHEDULES and v != 1:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched} runs 1 stage per rank (got {v}); "
+                             f"use Interleaved1F1B for more")
+        if sched in V_SCHEDULES and v != 2:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched} runs exactly 2 stages per rank (got {v})")
+        if sched not in SINGLE_STAGE_SCHEDULES and v < 2:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched} needs >= 2 stages per rank (got {v})")
+        if self.compile and self.pp > 1 and sched in ZERO_BUBBLE_SCHEDULES:
+            raise ValueError(f"parallel.compile: {sched} splits backward into input and weight parts, which "
+                             f"torch.compile does not support; use 1F1B or Interleaved1F1B")
         return self
 
 
@@ -93,6 +144,9 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 disables clipping")
     eval_interval: int = Field(100, ge=0, description="steps between validation runs; 0: only at the end")
     eval_batches: int = Field(4, gt=0, description="validation batches (global_batch_size each) per run")
+    nan_policy: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss or gradient: stop with the step, or skip that step's update")
+    max_skipped_steps: int = Field(10, ge=0, description="nan_policy=skip: stop after this many skipped steps")
 
 
 class PrecisionConfig(Section):
@@ -104,15 +158,60 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    interval_steps: int = Field(0, ge=0, description="save every N steps; 0: never during training")
+    interval_steps: int = Field(0, ge=0, description="save every N steps; 0: not by step count")
+    interval_minutes: float = Field(0.0, ge=0.0, description="save when this many minutes passed; 0: not by time")
     save_final: bool = Field(False, description="save after the last step")
+    keep: int = Field(3, ge=0, description="committed checkpoints kept (newest); 0 keeps all")
+    async_save: bool = Field(True, description="write in the background (dcp.async_save) while training goes on")
+    async_commit_after_steps: int = Field(
+        2, ge=1, description="an async save is awaited and committed this many steps after it started")
+    resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
+    verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
     dir: str | None = Field(None, description="where checkpoints go; default: the run folder's checkpoints/")
+    init_from_hf: str | None = Field(
+        None, description="folder of a Hugging Face Llama checkpoint (safetensors) to start from; a resumable "
+        "checkpoint of this run takes precedence")
 
 
 class MonitorConfig(Section):
     log_interval: int = Field(10, gt=0, description="steps between loss reports (each costs one all-reduce)")
     progress: bool = Field(True, description="progress bar on rank 0")
     all_ranks_log: bool = Field(False, description="also show log lines of ranks other than 0")
+    breakdown: bool = Field(
+        True, description="step-time breakdown (data, forward, backward, exposed comm, optimizer), MFU, memory and "
+        "straggler spread per rank in every log record (one small all-gather per log step)")
+    tensorboard: bool = Field(True, description="also write TensorBoard event files to the run's tensorboard/")
+    sample_interval_s: float = Field(
+        1.0, ge=0.0, description="seconds between device samples (GPU: NVML; CPU: CPU % and RSS); 0: off")
+    nvtx: bool = Field(True, description="CUDA: NVTX ranges around phases, for Nsight Systems timelines")
+    profile_at_step: int = Field(
+        0, ge=0, description="first step a torch.profiler window records (Chrome trace per rank in profile/); 0: off")
+    profile_wait: int = Field(1, ge=0, description="profiler: idle steps before warmup")
+    profile_warmup: int = Field(1, ge=0, description="profiler: warm-up steps (recorded, discarded) before the window")
+    profile_active: int = Field(2, gt=0, description="profiler: steps recorded")
+    # diagnosis thresholds (percent)
+    data_wait_pct: float = Field(10.0, gt=0, description="diagnosis: data-loader bound above this share of a step")
+    comm_pct: float = Field(30.0, gt=0, description="diagnosis: communication bound above this share of a step")
+    straggler_pct: float = Field(
+        15.0, gt=0, description="diagnosis: straggler when the slowest rank is busy this much above the median")
+    idle_util_pct: float = Field(30.0, gt=0, description="diagnosis: idle GPU below this median utilisation")
+    bubble_excess_pct: float = Field(
+        10.0, gt=0, description="diagnosis: pipeline bubble this many points above the schedule's prediction")
+    memory_headroom_pct: float = Field(
+        50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch")
+    # fault injection, for testing the diagnosis only
+    fault_data_delay_ms: float = Field(
+        0.0, ge=0.0, description="FAULT INJECTION (testing only): sleep this long in every data fetch on every rank")
+    fault_slow_rank: int = Field(
+        -1, ge=-1, description="FAULT INJECTION (testing only): this rank sleeps fault_slow_rank_ms per forward")
+    fault_slow_rank_ms: float = Field(0.0, ge=0.0, description="FAULT INJECTION (testing only): see fault_slow_rank")
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> MonitorConfig:
+        if self.profile_at_step and self.profile_at_step <= self.profile_wait + self.profile_warmup:
+            raise ValueError(f"monitor.profile_at_step: must be > profile_wait + profile_warmup "
+                             f"({self.profile_wait + self.profile_warmup}) so the window fits after step 1")
+        return self
 
 
 class LaunchConfig(Section):
@@ -120,7 +219,14 @@ class LaunchConfig(Section):
     nnodes: int = Field(1, gt=0)
     rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one")
     max_restarts: int = Field(0, ge=0, description="worker-group restarts by the torchrun agent")
-    collective_timeout_s: float = Field(600.0, gt=0, description="process-group timeout for a collective")
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="process-group timeout for a collective; also the hang limit until step 1 is done")
+    hang_timeout_s: float = Field(
+        300.0, ge=0, description="after step 1: a rank without progress this long names the stuck rank and exits "
+        "124 (0: no watchdog)")
+    shutdown_timeout_s: int = Field(
+        30, gt=0, description="the agent's grace between SIGTERM and SIGKILL when it stops workers (they save a "
+        "checkpoint in it when preempted)")
 
 
 class JobConfig(Section):

@@ -86,6 +86,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
+        # the rotary tables come whole: under sequence parallelism the block's input is a sequence shard, and
+        # only here (after the all-gather) is the full length known
+        cos, sin = cos[:seq], sin[:seq]
         # -1 for the head count lets tensor parallelism hand this module a shard of the heads
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -147,10 +150,8 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -170,6 +171,15 @@ def param_init_std(name: str, args: LlamaArgs) -> float | None:
     return 0.02
 
 
+WRAPPER_NAMES = ("module", "_checkpoint_wrapped_module", "_orig_mod")  # DDP, activation checkpointing, compile
+
+
+def plain_param_name(name: str) -> str:
+    """A parameter name without the path components wrappers insert (`layers.0._checkpoint_wrapped_module.w` ->
+    `layers.0.w`), so a wrapped model initialises and saves under the plain model's names."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
 def init_weights(model: nn.Module, args: LlamaArgs, seed: int) -> None:
     """Fill every parameter deterministically from (seed, parameter name), whatever the layout.
 
@@ -180,7 +190,7 @@ def init_weights(model: nn.Module, args: LlamaArgs, seed: int) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            clean = name.replace("module.", "").replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            clean = plain_param_name(name)
             std = param_init_std(clean, args)
             if std is None:
                 full = torch.ones(p.shape, dtype=torch.float32)

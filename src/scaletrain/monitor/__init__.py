@@ -1,4 +1,4 @@
-"""Rank-0 output and metric sinks."""
+"""Rank-0 output, metric sinks, the step-time breakdown, device sampling, profiling and the diagnosis."""
 
 from scaletrain.monitor.metrics import JsonlSink, read_jsonl
 from scaletrain.monitor.progress import StepProgress, configure_logging, log

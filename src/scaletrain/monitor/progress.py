@@ -22,7 +22,8 @@ def configure_logging(rank: int, all_ranks: bool) -> None:
 
 
 class StepProgress:
-    """Step, loss, tokens/s and ETA. Bar on a terminal; on anything else a log line per update."""
+    """Step, loss, tokens/s, the monitor's headline (MFU, step breakdown, straggler) and ETA. Bar on a terminal;
+    on anything else a log line per update."""
 
     def __init__(self, total_steps: int, start_step: int, enabled: bool, bar: bool):
         self.enabled = enabled
@@ -32,17 +33,20 @@ class StepProgress:
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-",
+                                        extra="")
             self._bar.start()
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}")
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}",
+                             extra=extra)
         else:
-            log.info("step %d/%d  loss %.4f  %s tok/s", step, self.total, loss, f"{tokens_per_s:,.0f}")
+            log.info("step %d/%d  loss %.4f  %s tok/s%s", step, self.total, loss, f"{tokens_per_s:,.0f}",
+                     f"  {extra}" if extra else "")
 
     def message(self, text: str) -> None:
         if not self.enabled:

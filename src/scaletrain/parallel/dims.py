@@ -56,7 +56,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         used = [f"{k}={v}" for k, v in self.sizes().items() if v > 1]
-        return f"{self.mode} ({' x '.join(used) if used else 'one rank'})"
+        if self.mode == "single":  # no data parallelism: name only the model-parallel dims
+            return " x ".join(used) if used else "single (one rank)"
+        return f"{self.mode} ({' x '.join(used)})"
 
 
 def build_mesh(dims: ParallelDims, device_type: str):

@@ -30,14 +30,18 @@ def pick_device_type(requested: str) -> str:
     return requested
 
 
-def init_distributed(device_type: str, timeout_s: float = 600.0) -> Runtime:
+def init_distributed(device_type: str, timeout_s: float = 600.0, rdzv_endpoint: str | None = None) -> Runtime:
     """Join (or reuse) the default process group: NCCL on GPUs, gloo on CPUs.
 
-    With RANK/WORLD_SIZE in the environment (torchrun) the env:// rendezvous is used; otherwise a one-rank group on
-    an in-memory store, so the same code runs in a plain `python` process.
+    With RANK/WORLD_SIZE in the environment (torchrun) the env:// rendezvous is used; under `mpirun`/`mpiexec`
+    the MPI rank variables are mapped to them first (MASTER_ADDR/PORT from the environment, else rdzv_endpoint);
+    otherwise a one-rank group on an in-memory store, so the same code runs in a plain `python` process.
     """
+    from scaletrain.launch.mpi import apply_mpi_env
+
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
+        apply_mpi_env(os.environ, rdzv_endpoint)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)

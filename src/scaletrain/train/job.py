@@ -34,15 +34,47 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str]
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """L2 norm of all gradients across every rank and shard (DTensor grads reduce over their mesh)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+def _grad_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters with gradients, grouped so that each group's tensors combine in one foreach kernel: plain
+    tensors together, DTensors by (mesh, placements) (TP leaves some params plain and shards others)."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def global_grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+    """L2 norm of all gradients across every rank and shard: DTensor grads reduce over their mesh (FSDP, TP),
+    and with pipeline parallelism the stages' squared norms add up over pp_group."""
+    total = torch.zeros((), dtype=torch.float32)
+    for group in _grad_groups(params):
+        grads = [p.grad for p in group]
+        placements = getattr(grads[0], "placements", ())
+        if any(pl.is_partial() for pl in placements):
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).full_tensor()
+            squared = norm.float() ** 2
+        else:
+            # squared norms of the local shards add up over every mesh dim that shards them (not over replicas);
+            # one all-reduce per dim, where DTensor's own redistribute warns about doing the same
+            local = [g.to_local() if placements else g for g in grads]
+            squared = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float() ** 2
+            for dim, pl in enumerate(placements):
+                if not pl.is_replicate():  # Shard, or FSDP's _StridedShard over a TP shard
+                    torch.distributed.all_reduce(squared, group=grads[0].device_mesh.get_group(dim))
+        total = total.to(squared.device) + squared
+    if pp_group is not None:
+        torch.distributed.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_grads_(params: list[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale every gradient by min(1, max_norm / total_norm), one foreach kernel per group."""
+    for group in _grad_groups(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
 
 
 @dataclass
@@ -71,6 +103,11 @@ class Job:
 
     def __post_init__(self) -> None:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.pipeline = getattr(self.model, "pipeline", None)
+        self._pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        # one rank per data-parallel coordinate reports the loss: the last pipeline stage's first TP rank
+        tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp > 1 else 0
+        self.owns_loss = tp_rank == 0 and (self.pipeline is None or self.pipeline.has_last)
 
     @property
     def dp_size(self) -> int:
@@ -84,7 +121,11 @@ class Job:
 
     @contextlib.contextmanager
     def accumulate(self, sync: bool = True):
-        """Forward + backward inside this context reduce gradients across ranks only when sync is True."""
+        """Forward + backward inside this context reduce gradients across ranks only when sync is True.
+        Under pipeline parallelism the schedule itself holds the reduction until the last micro-batch."""
+        if self.dims.pp > 1:
+            yield
+            return
         if self.dims.mode == "ddp" and not sync:
             with self.model.no_sync():
                 yield
@@ -99,13 +140,20 @@ class Job:
         else:
             loss.backward()
 
-    def step(self) -> torch.Tensor:
-        """Unscale, clip to the global norm (when grad_clip > 0), step, zero grads; returns the pre-clip norm."""
+    def step(self, skip_nonfinite: bool = False) -> torch.Tensor:
+        """Unscale, clip to the global norm (when grad_clip > 0), step, zero grads; returns the pre-clip norm.
+
+        skip_nonfinite: when the global norm is NaN/Inf, drop this step's update (every rank sees the same norm,
+        so all skip together). With fp16 the loss scaler already skips such steps and lowers the scale.
+        """
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = global_grad_norm(self._params)
+        norm = global_grad_norm(self._params, self._pp_group)
+        if skip_nonfinite and self.scaler is None and not torch.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.grad_clip, norm, foreach=True)
+            clip_grads_(self._params, self.grad_clip, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -7,27 +7,55 @@ over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.checkpoint.export import load_hf_weights
 from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
 from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
 from scaletrain.models import build_model, init_weights
-from scaletrain.monitor import JsonlSink, StepProgress, configure_logging, log
+from scaletrain.monitor import StepProgress, configure_logging, log
+from scaletrain.monitor.session import TrainMonitor, open_sinks
 from scaletrain.parallel import apply_parallelism, build_mesh, dp_coordinates, init_distributed, pick_device_type
 from scaletrain.train.job import Job, make_scaler
 from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.train.preemption import EXIT_REQUEUE, PreemptionWatch
 from scaletrain.train.preflight import resolve_job, run_dir
 from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
+from scaletrain.train.watchdog import Watchdog
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN/Inf and the nan policy says stop."""
+
+
+def _agree(*flags: bool) -> tuple[bool, ...]:
+    """Logical OR of each flag over all ranks (one tiny all-reduce), so every rank takes the same branch."""
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(x) for x in t.tolist())
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records after `step` (logged before a failure, about to be recomputed after the resume)."""
+    if path.is_file():
+        keep = [line for line in path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(keep))
 
 
 def train(cfg: JobConfig) -> dict:
     """Run the job in this process (one rank of many, or alone); returns the run summary on every rank."""
     device_type = pick_device_type(cfg.run.device)
-    rt = init_distributed(device_type, cfg.launch.collective_timeout_s)
+    rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
     configure_logging(rt.rank, cfg.monitor.all_ranks_log)
     plan = resolve_job(cfg, rt.world_size)
     args, dims = plan.args, plan.dims
@@ -38,7 +66,8 @@ def train(cfg: JobConfig) -> dict:
     mesh = build_mesh(dims, device_type)
     model = build_model(args, "meta")
     model = apply_parallelism(model, dims, mesh, rt.device, cfg.parallel, cfg.precision,
-                              init_fn=lambda m: init_weights(m, args, cfg.run.seed))
+                              init_fn=lambda m: init_weights(m, args, cfg.run.seed),
+                              microbatches=plan.accumulation, seq_len=seq)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train)
     dp_rank, dp_size = dp_coordinates(dims, mesh)
@@ -57,48 +86,119 @@ def train(cfg: JobConfig) -> dict:
     val_loader = DistributedLoader(TokenWindows(val_tokens, seq), gb, plan.micro_batch, dp_rank, dp_size,
                                    cfg.run.seed, shuffle=False)
 
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    ckpt = CheckpointManager(cfg.checkpoint, ckpt_root, rt.rank, rt.world_size,
+                             {"layout": dims.describe(), "world_size": rt.world_size, "model": cfg.model.name,
+                              "model_args": dataclasses.asdict(args)})
+    if cfg.checkpoint.init_from_hf:
+        load_hf_weights(model, Path(cfg.checkpoint.init_from_hf), args)
+        log.info("initial weights from Hugging Face checkpoint %s", cfg.checkpoint.init_from_hf)
+    start_step, skipped = 0, 0
+    resumed = ckpt.restore(model, optimizer) if cfg.checkpoint.resume else None
+    if resumed is not None:
+        start_step, skipped = resumed["step"], resumed.get("skipped_steps", 0)
+        scheduler.load_state_dict(resumed["scheduler"])
+        loader.load_state_dict(resumed["loader"])
+        if scaler is not None and resumed.get("scaler"):
+            scaler.load_state_dict(resumed["scaler"])
+        log.info("resumed from %s at step %d (saved by %s on %s rank(s))", resumed["_resumed_from"], start_step,
+                 resumed["_saved_layout"], resumed["_saved_world_size"])
+
     sink = None
     if rt.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(to_toml(cfg))
-        sink = JsonlSink(out / "metrics.jsonl")
+        if start_step:
+            _truncate_metrics(out / "metrics.jsonl", start_step)
+        sink = open_sinks(cfg.monitor, out, start_step)
     n_params = args.num_params()
     log.info("scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d",
              cfg.model.name, rt.world_size, device_type, dims.describe(), n_params / 1e6, cfg.train.steps,
              gb, seq, plan.accumulation)
-    progress = StepProgress(cfg.train.steps, 0, enabled=rt.rank == 0, bar=cfg.monitor.progress)
+    if getattr(model, "pipeline", None) is not None:
+        log.info("%s", model.pipeline.describe())
+    progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress)
+    mon = TrainMonitor(cfg.monitor, out, rt.rank, rt.world_size, rt.device, model,
+                       getattr(args, "flops_per_token", lambda s: None)(seq), cfg.precision.dtype, start_step,
+                       dims.describe())
+
+    def trainer_state() -> dict:
+        return {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "skipped_steps": skipped,
+                "scaler": scaler.state_dict() if scaler is not None else None}
 
     loss_scale = dims.dp / tokens_per_step
     last_loss = float("nan")
     val_loss = None
     t_start = t_log = time.perf_counter()
     steps_since_log = 0
-    for step in range(1, cfg.train.steps + 1):
-        loss_sum = forward_backward(job, loader.next_step(), loss_scale)
-        grad_norm = job.step()
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        steps_since_log += 1
+    watchdog = Watchdog(out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s,
+                        cfg.launch.collective_timeout_s)
+    with PreemptionWatch() as preemption, watchdog:
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            watchdog.beat(step, "data")
+            with mon.phase("data"):
+                micro_batches = loader.next_step()
+            watchdog.beat(step, "forward/backward")
+            loss_sum = forward_backward(job, micro_batches, loss_scale, timer=mon.timer)
+            watchdog.beat(step, "optimizer")
+            with mon.phase("optimizer"):
+                grad_norm = job.step(skip_nonfinite=cfg.train.nan_policy == "skip")
+            if not torch.isfinite(grad_norm) and scaler is None:
+                loss_now = sum_over_ranks(loss_sum) / tokens_per_step
+                skipped += 1
+                if cfg.train.nan_policy == "stop" or skipped > cfg.train.max_skipped_steps:
+                    raise NonFiniteError(
+                        f"step {step}: loss {loss_now} / gradient norm {float(grad_norm)} is not finite "
+                        f"(train.nan_policy={cfg.train.nan_policy}, {skipped} step(s) skipped); stopping")
+                log.warning("step %d: non-finite loss %s, update skipped (%d/%d)", step, loss_now, skipped,
+                            cfg.train.max_skipped_steps)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            steps_since_log += 1
 
-        if step % cfg.monitor.log_interval == 0 or step == cfg.train.steps:
-            last_loss = sum_over_ranks(loss_sum) / tokens_per_step
-            now = time.perf_counter()
-            step_time = (now - t_log) / steps_since_log
-            tps = tokens_per_step / step_time
-            t_log, steps_since_log = now, 0
-            record = {"step": step, "loss": last_loss, "grad_norm": float(grad_norm), "lr": lr,
-                      "step_time_s": step_time, "tokens_per_s": tps}
-            if scaler is not None:
-                record["loss_scale"] = float(scaler.get_scale())
-            if sink:
-                sink.write(record)
-            progress.update(step, last_loss, tps)
+            if step % cfg.monitor.log_interval == 0 or step == cfg.train.steps:
+                last_loss = sum_over_ranks(loss_sum) / tokens_per_step
+                now = time.perf_counter()
+                step_time = (now - t_log) / steps_since_log
+                tps = tokens_per_step / step_time
+                t_log, steps_since_log = now, 0
+                record = {"step": step, "loss": last_loss, "grad_norm": float(grad_norm), "lr": lr,
+                          "step_time_s": step_time, "tokens_per_s": tps}
+                if scaler is not None:
+                    record["loss_scale"] = float(scaler.get_scale())
+                record = mon.on_log(record)  # MFU, rank-aggregated breakdown (all ranks take part)
+                if sink:
+                    sink.write(record)
+                progress.update(step, last_loss, tps, mon.headline(record))
 
-        if step == cfg.train.steps or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
-            val_loss = evaluate(job, val_loader, cfg.train.eval_batches, tokens_per_step)
-            if sink:
-                sink.write({"step": step, "val_loss": val_loss})
-            progress.message(f"step {step}: validation loss {val_loss:.4f}")
+            if step == cfg.train.steps or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
+                watchdog.beat(step, "evaluation")
+                val_loss = evaluate(job, val_loader, cfg.train.eval_batches, tokens_per_step)
+                if sink:
+                    sink.write({"step": step, "val_loss": val_loss})
+                progress.message(f"step {step}: validation loss {val_loss:.4f}")
+
+            watchdog.beat(step, "end-of-step agreement")
+            stop, minutes_due = _agree(preemption.requested, ckpt.minutes_due())
+            if stop:
+                ckpt.save(step, model, optimizer, trainer_state(), sync=True)
+                progress.close()
+                log.warning("preempted (%s): checkpoint of step %d saved; exiting %d so the job is requeued",
+                            preemption.signal_name or "signal on another rank", step, EXIT_REQUEUE)
+                if sink:
+                    sink.close()
+                mon.close()
+                raise SystemExit(EXIT_REQUEUE)
+            last = step == cfg.train.steps
+            watchdog.beat(step, "checkpoint")
+            if (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0 and not last) \
+                    or (minutes_due and not last):
+                ckpt.save(step, model, optimizer, trainer_state())
+            ckpt.poll(step)
+            mon.step_end(step)
+        if cfg.checkpoint.save_final:
+            ckpt.save(cfg.train.steps, model, optimizer, trainer_state(), sync=True)
+        ckpt.close()
 
     elapsed = time.perf_counter() - t_start
     progress.close()
@@ -109,4 +209,5 @@ def train(cfg: JobConfig) -> dict:
         sink.close()
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info("done: loss %.4f, validation loss %.4f, %.1f s, outputs in %s", last_loss, val_loss, elapsed, out)
+    mon.close()  # stops sampling; rank 0 writes the diagnosis
     return summary

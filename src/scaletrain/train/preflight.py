@@ -13,6 +13,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.models.llama import LlamaArgs
 from scaletrain.models.registry import model_args
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.tensor_parallel import check_tp_divides
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
                          f"lower data.seq_len or raise model.max_seq_len")
+    if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
+        raise ValueError(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
+                         f"Hugging Face model folder with *.safetensors and config.json")
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     gb = cfg.train.global_batch_size
     if gb % dims.dp:
@@ -60,12 +64,71 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     if gb % (micro * dims.dp):
         raise ValueError(f"train.micro_batch_size: {gb} sequences per step do not split into micro-batches of "
                          f"{micro} on {dims.dp} data-parallel ranks; pick a divisor of {gb // dims.dp}")
+    check_layout(cfg, args, dims)
+    if dims.pp > 1:
+        micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
     n_tokens = _stream_tokens(cfg)
     n_val = max(1, int(n_tokens * cfg.data.val_fraction))
     if (n_tokens - n_val - 1) // cfg.data.seq_len < gb or (n_val - 1) // cfg.data.seq_len < 1:
         raise ValueError(f"data: {n_tokens} tokens are too few for a global batch of {gb} x {cfg.data.seq_len} "
                          f"tokens plus a validation split; add data or lower train.global_batch_size")
     return ResolvedJob(args=args, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
+
+
+def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
+    """Layouts that cannot run, refused before launch with one line naming the field: TP degrees that do not
+    split the heads or matmuls, more pipeline stages than layers, combinations torch does not support."""
+    p = cfg.parallel
+    if dims.tp > 1:
+        if dims.mode == "ddp":
+            raise ValueError(f"parallel.tp: DDP (dp_replicate={dims.dp_replicate}, dp_shard=1) does not combine "
+                             f"with tensor parallelism; shard instead (parallel.dp_shard={dims.dp_replicate} "
+                             f"parallel.dp_replicate=1) or use HSDP")
+        check_tp_divides(dims.tp, args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
+        if p.sequence_parallel and cfg.data.seq_len % dims.tp:
+            raise ValueError(f"parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not divisible by "
+                             f"parallel.tp={dims.tp}")
+        if p.sequence_parallel and p.tp_plan == "auto":
+            raise ValueError("parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards "
+                             "only the linears)")
+    if dims.pp > 1:
+        stages = dims.pp * p.stages_per_rank
+        if stages > args.n_layers:
+            raise ValueError(f"parallel.pp: {dims.pp} x {p.stages_per_rank} stage(s) per rank = {stages} pipeline "
+                             f"stages, but the model has only {args.n_layers} layers; lower parallel.pp")
+        if cfg.precision.dtype == "fp16":
+            raise ValueError("precision.dtype: fp16 loss scaling does not run inside a pipeline schedule; "
+                             "use bf16 with parallel.pp > 1")
+        pipeline_microbatches(cfg, dims)
+
+
+def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
+    """Micro-batches per step of each pipeline: parallel.pp_microbatches, else one per train.micro_batch_size,
+    else the number of stages (the fewest that fill every schedule). ValueError names the field."""
+    p = cfg.parallel
+    per_rank = cfg.train.global_batch_size // dims.dp
+    stages = dims.pp * p.stages_per_rank
+    if p.pp_microbatches is not None:
+        m = p.pp_microbatches
+        if cfg.train.micro_batch_size and cfg.train.micro_batch_size * m != per_rank:
+            raise ValueError(f"parallel.pp_microbatches: {m} micro-batches of train.micro_batch_size="
+                             f"{cfg.train.micro_batch_size} are not the {per_rank} sequences per data-parallel "
+                             f"rank; set only one of them")
+    elif cfg.train.micro_batch_size:
+        m = per_rank // cfg.train.micro_batch_size
+    else:
+        m = stages
+    if per_rank % m:
+        raise ValueError(f"parallel.pp_microbatches: {per_rank} sequences per data-parallel rank do not split into "
+                         f"{m} micro-batches; set parallel.pp_microbatches to a divisor of {per_rank}")
+    if p.pp_schedule in ("1F1B", "DualPipeV") and m < stages:
+        raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs at least one micro-batch per stage "
+                         f"({stages}), got {m}")
+    rounds = max(1, m // dims.pp)
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+        raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs a multiple of {rounds} micro-batches "
+                         f"(rounds of pp={dims.pp}), got {m}")
+    return m
 
 
 def default_nproc(device: str) -> int:
@@ -82,5 +145,8 @@ def run_dir(cfg: JobConfig) -> Path:
 
 
 def under_external_launcher() -> bool:
-    """True inside a process started by an external torchrun (or any launcher setting RANK/WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True inside a process started by an external torchrun (or any launcher setting RANK/WORLD_SIZE), or by
+    mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH2, PMIx rank variables)."""
+    from scaletrain.launch.mpi import detect_mpi
+
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or detect_mpi(os.environ) is not None

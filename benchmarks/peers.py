@@ -1,0 +1,324 @@
+"""scaletrain against what a user would pick instead: a hand-written torch loop (DDP and FSDP2), Hugging Face
+Accelerate and Lightning Fabric. Same built-in model, init, data windows, global batch, precision and steps; each
+runner started by its own launcher, as its documentation shows; runs alternate (every runner once per rep, the
+order rotated each rep) so drift on a shared machine hits all of them.
+
+    python benchmarks/peers.py                        # 2 CPU ranks over gloo, tiny model, fp32
+    python benchmarks/peers.py --markdown BENCHMARKS.md
+    python benchmarks/peers.py --device cuda          # all local GPUs: llama-1b, bf16, torch.compile, FSDP2
+
+Every figure comes from benchmarks/probe/sitecustomize.py, loaded into every process of every runner, so no
+runner's own timing code is trusted: step time is the mean of each `--log-every`-step window between ends of
+optimizer steps on rank 0 (first window dropped as warm-up, median over all windows of all reps); start-up is the
+launch of the command to the end of step 1 on the last rank; peak RSS is ru_maxrss of each rank process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROBE = HERE / "probe"
+ROOT = HERE.parent
+
+# runner -> (strategy, what it is); scaletrain rows are the reference of their strategy
+RUNNERS = {
+    "scaletrain-ddp": ("ddp", "`scaletrain train` parallel.dp_replicate=N"),
+    "torch-ddp": ("ddp", "benchmarks/plain_ddp.py under torchrun"),
+    "accelerate-ddp": ("ddp", "benchmarks/peer_accelerate.py under `accelerate launch`"),
+    "fabric-ddp": ("ddp", "benchmarks/peer_fabric.py under `fabric run`"),
+    "scaletrain-fsdp": ("fsdp", "`scaletrain train` parallel.dp_shard=N"),
+    "torch-fsdp2": ("fsdp", "benchmarks/plain_fsdp.py under torchrun"),
+}
+GPU_RUNNERS = ["scaletrain-fsdp", "torch-fsdp2"]
+TEARDOWN_GRACE_S = 20.0
+NOTES = "## Notes"
+TARGET = {"torch-ddp": 1.03, "torch-fsdp2": 1.03, "accelerate-ddp": 1.00, "fabric-ddp": 1.00}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    """A console script of this environment (next to the interpreter), else from PATH."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+def job_flags(a) -> list[str]:
+    flags = ["--model", a.model, "--steps", str(a.steps), "--log-every", str(a.log_every), "--seq-len",
+             str(a.seq_len), "--global-batch", str(a.global_batch), "--max-bytes", str(a.max_bytes), "--device",
+             a.device, "--dtype", a.dtype]
+    return flags + (["--compile"] if a.compile else [])
+
+
+def command(name: str, a) -> list[str]:
+    n = str(a.nproc)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", n, "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "127.0.0.1:0"]
+    if name.startswith("scaletrain"):
+        layout = [f"parallel.dp_replicate={n}", "parallel.dp_shard=1"] if name.endswith("ddp") else \
+            ["parallel.dp_replicate=1", f"parallel.dp_shard={n}"]
+        return [sys.executable, "-m", "scaletrain.cli.main", "train", f"model.name={a.model}",
+                f"train.steps={a.steps}", f"monitor.log_interval={a.log_every}", f"data.seq_len={a.seq_len}",
+                f"train.global_batch_size={a.global_batch}", f"data.max_bytes={a.max_bytes}",
+                f"launch.nproc_per_node={n}", f"run.device={a.device}", f"precision.dtype={a.dtype}",
+                f"parallel.compile={str(a.compile).lower()}", "train.eval_interval=0", "train.eval_batches=1",
+                "monitor.progress=false", "run.name=bench", *layout]
+    if name == "torch-ddp":
+        return [*torchrun, str(HERE / "plain_ddp.py"), *job_flags(a)]
+    if name == "torch-fsdp2":
+        return [*torchrun, str(HERE / "plain_fsdp.py"), *job_flags(a)]
+    if name == "accelerate-ddp":
+        # --multi_gpu is Accelerate's torchrun path; the script passes cpu=True, so the ranks use gloo on CPU
+        # (`--cpu --num_processes 2` starts a single process: Accelerate's multi-CPU launch needs mpirun)
+        return [tool("accelerate"), "launch", "--multi_gpu", "--num_processes", n, "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                str(HERE / "peer_accelerate.py"), *job_flags(a)]
+    if name == "fabric-ddp":
+        return [tool("fabric"), "run", "--accelerator", a.device, "--devices", n, "--strategy", "ddp",
+                "--main-port", str(free_port()), str(HERE / "peer_fabric.py"), *job_flags(a)]
+    raise ValueError(f"--runners: unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+
+
+@dataclass
+class Run:
+    windows: list[float]  # mean step time of each window after the first, s
+    startup_s: float  # launch -> end of step 1 on the last rank
+    rss_mib: list[float]  # peak RSS of each rank, by rank
+    threads: set[int]
+    stopped_in_teardown: bool = False
+
+
+def read_probe(folder: Path, launched_unix: float, log_every: int, nproc: int) -> Run:
+    ranks = []
+    for path in folder.glob("rank*.jsonl"):
+        lines = path.read_text().splitlines()
+        head, steps = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+        ranks.append((head["rank"], head, steps))
+    ranks.sort(key=lambda r: r[0])
+    if len(ranks) != nproc:
+        raise RuntimeError(f"probe: {len(ranks)} rank record(s) in {folder}, expected {nproc}")
+    t = [s[0] for s in ranks[0][2]]
+    windows = [(t[(j + 1) * log_every - 1] - t[j * log_every - 1]) / log_every
+               for j in range(1, len(t) // log_every)]
+    return Run(windows, max(h["first_step_unix"] for _, h, _ in ranks) - launched_unix,
+               [s[-1][1] / 1024 for _, _, s in ranks], {h["threads"] for _, h, _ in ranks})
+
+
+def _steps_done(probe: Path, steps: int, nproc: int) -> bool:
+    files = list(probe.glob("rank*.jsonl"))
+    return len(files) == nproc and all(len(f.read_text().splitlines()) > steps for f in files)
+
+
+def run_once(name: str, a, workdir: Path, env: dict) -> Run:
+    """One run of one runner. Ranks of every runner here (with or without the probe) sometimes hang in gloo
+    teardown after their last step; once every rank has logged its last step the command gets TEARDOWN_GRACE_S
+    to exit and is then stopped. Nothing measured happens after the last step, so such a run still counts."""
+    probe = Path(tempfile.mkdtemp(dir=workdir, prefix=f"probe-{name}-"))
+    env = {**env, "SCALETRAIN_BENCH_PROBE": str(probe)}
+    log = workdir / f"{name}.log"
+    with open(log, "w") as out:
+        launched = time.time()
+        proc = subprocess.Popen(command(name, a), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                                start_new_session=True)
+        done_at = None
+        while proc.poll() is None:
+            time.sleep(0.2)
+            now = time.time()
+            if done_at is None and _steps_done(probe, a.steps, a.nproc):
+                done_at = now
+            if now - launched > a.timeout or (done_at is not None and now - done_at > TEARDOWN_GRACE_S):
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+    if not _steps_done(probe, a.steps, a.nproc) or (done_at is None and proc.returncode != 0):
+        raise RuntimeError(f"{name} exited {proc.returncode} before its last step; last output:\n"
+                           f"{log.read_text()[-3000:]}")
+    run = read_probe(probe, launched, a.log_every, a.nproc)
+    run.stopped_in_teardown = proc.returncode != 0
+    return run
+
+
+@dataclass
+class Row:
+    name: str
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def step_s(self) -> float:
+        return statistics.median(w for r in self.runs for w in r.windows)
+
+    @property
+    def startup_s(self) -> float:
+        return statistics.median(r.startup_s for r in self.runs)
+
+    @property
+    def rss_mib(self) -> float:
+        return statistics.median(max(r.rss_mib) for r in self.runs)
+
+
+def mfu(a, step_s: float) -> float | None:
+    """Model FLOPs utilisation on GPUs: 6N + attention FLOPs per token x tokens/s over the GPUs' dense bf16 peak
+    (the scaletrain hardware catalog's figure for this GPU); None when the GPU is not in the catalog."""
+    import torch
+
+    from scaletrain.config import ModelConfig
+    from scaletrain.hardware.catalog import get_gpu
+    from scaletrain.hardware.detect import catalog_name_for
+    from scaletrain.models import model_args
+
+    name = catalog_name_for(torch.cuda.get_device_name())
+    if name is None:
+        return None
+    flops = model_args(ModelConfig(name=a.model)).flops_per_token(a.seq_len) * a.global_batch * a.seq_len / step_s
+    return flops / (a.nproc * get_gpu(name).bf16_flops)
+
+
+def table(rows: list[Row], a) -> list[str]:
+    ref = {RUNNERS[r.name][0]: r for r in rows if r.name.startswith("scaletrain")}
+    tokens = a.global_batch * a.seq_len
+    head = "| runner | median step (ms) | tokens/s | start-up to step 1 (s) | peak RSS / rank (MiB) | " \
+           "scaletrain ÷ runner (step time) | target |"
+    if a.device == "cuda":
+        head = head.replace(" | scaletrain", " | MFU | scaletrain")
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        s = ref.get(RUNNERS[r.name][0])
+        ratio = "—" if r.name.startswith("scaletrain") or s is None else f"{s.step_s / r.step_s:.3f}"
+        target = f"≤ {TARGET[r.name]:.2f}" if r.name in TARGET and s is not None else ""
+        cells = [r.name, f"{r.step_s * 1e3:.1f}", f"{tokens / r.step_s:,.0f}", f"{r.startup_s:.1f}",
+                 f"{r.rss_mib:,.0f}"]
+        if a.device == "cuda":
+            m = mfu(a, r.step_s)
+            cells.append("n/a" if m is None else f"{m:.1%}")
+        out.append("| " + " | ".join(cells + [ratio, target]) + " |")
+    return out
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    versions = []
+    for pkg in ("torch", "accelerate", "lightning-fabric"):
+        try:
+            versions.append(f"{pkg} {importlib.metadata.version(pkg)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{pkg} not installed")
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), Python " \
+           f"{platform.python_version()}, {', '.join(versions)}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--runners", help=f"comma-separated subset of: {', '.join(RUNNERS)}")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--log-every", type=int, default=10, help="window length; the first window is warm-up")
+    ap.add_argument("--model", help="preset; default tiny on cpu, llama-1b on cuda")
+    ap.add_argument("--seq-len", type=int, help="default 256 on cpu, 2048 on cuda")
+    ap.add_argument("--global-batch", type=int, help="sequences per step; default 16 on cpu, 4 per GPU on cuda")
+    ap.add_argument("--max-bytes", type=int, default=1_000_000, help="stdlib text read as the token stream")
+    ap.add_argument("--nproc", type=int, help="ranks; default 2 on cpu, every visible GPU on cuda")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank (cpu)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    ap.add_argument("--markdown", type=Path, help="also write the report (table, date, machine, command) here")
+    ap.add_argument("--note", default="", help="a line for the report, e.g. what else ran on the machine")
+    a = ap.parse_args(argv)
+    gpu = a.device == "cuda"
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA GPU is visible here; run it on a GPU host")
+        a.nproc = a.nproc or torch.cuda.device_count()
+        if a.nproc < 2:
+            ap.error(f"--device cuda: needs 2+ GPUs for FSDP (found {a.nproc}); set --nproc")
+    a.nproc = a.nproc or 2
+    a.model = a.model or ("llama-1b" if gpu else "tiny")
+    a.seq_len = a.seq_len or (2048 if gpu else 256)
+    a.global_batch = a.global_batch or (4 * a.nproc if gpu else 16)
+    a.dtype, a.compile = ("bf16", True) if gpu else ("fp32", False)
+    a.runners = a.runners.split(",") if a.runners else (GPU_RUNNERS if gpu else list(RUNNERS))
+    for name in a.runners:
+        if name not in RUNNERS:
+            ap.error(f"--runners: unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
+    if a.steps < 2 * a.log_every:
+        a.log_every = max(1, a.steps // 2)
+    if a.global_batch % a.nproc:
+        ap.error(f"--global-batch {a.global_batch} must be a multiple of --nproc {a.nproc}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p)}
+    if a.device == "cpu":
+        env["OMP_NUM_THREADS"] = str(a.threads)
+    rows = {name: Row(name) for name in a.runners}
+    with tempfile.TemporaryDirectory(prefix="scaletrain-peers-") as tmp:
+        for rep in range(a.reps):
+            k = rep % len(a.runners)  # rotate the order so that no runner always goes first
+            for name in a.runners[k:] + a.runners[:k]:
+                print(f"rep {rep + 1}/{a.reps}: {name}", file=sys.stderr, flush=True)
+                rows[name].runs.append(run_once(name, a, Path(tmp), env))
+    threads = sorted({t for r in rows.values() for run in r.runs for t in run.threads})
+    title = f"model {a.model}, {a.nproc} {a.device.upper()} ranks ({'nccl' if a.device == 'cuda' else 'gloo'}), " \
+            f"{a.dtype}{', torch.compile' if a.compile else ''}, {a.steps} steps x {a.global_batch} x " \
+            f"{a.seq_len} tokens, {a.reps} alternating reps, intra-op threads per rank {threads}"
+    stopped = sum(run.stopped_in_teardown for r in rows.values() for run in r.runs)
+    if stopped:
+        title += f"; {stopped} run(s) stopped after their last step, hung in process-group teardown"
+    lines = table(list(rows.values()), a)
+    print(title)
+    print("\n".join(lines))
+    if a.markdown:
+        write_report(a.markdown, title, lines, a, argv)
+
+
+def write_report(path: Path, title: str, lines: list[str], a, argv: list[str] | None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    cmd = shlex.join(["python", "benchmarks/peers.py", *args])
+    text = [
+        "# Benchmarks: scaletrain against the peers a user would pick instead", "",
+        f"Latest run: {datetime.date.today().isoformat()}, produced by `{cmd}`.", "",
+        f"Machine: {machine()}.", "",
+        *([a.note, ""] if a.note else []),
+        f"{title}.", "", *lines, "",
+        "How each figure is measured (benchmarks/README.md has the details): one probe, loaded into every process "
+        "of every runner (benchmarks/probe/sitecustomize.py), times the end of each optimizer step; **step time** "
+        f"is the mean of each {a.log_every}-step window on rank 0, the first window dropped as warm-up, median "
+        "over all windows of all reps; **tokens/s** is global batch x sequence length / step time; "
+        "**start-up** is from launching the runner's command to the end of step 1 on the last rank (median of "
+        "reps); **peak RSS / rank** is the largest ru_maxrss of the rank processes (median of reps). "
+        "**scaletrain ÷ runner** divides scaletrain's step time (same strategy) by the runner's: below 1 means "
+        "scaletrain is faster.", "",
+    ]
+    # hand-written notes (evidence for a ratio, a peer that could not run) survive a rerun
+    old = path.read_text() if path.exists() else ""
+    notes = old[old.index(NOTES):] if NOTES in old else ""
+    path.write_text("\n".join(text) + ("\n" + notes if notes else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The job every hand-written runner in benchmarks/ trains, in one place so the runners cannot drift apart:
+the same built-in model, init (seed 0), data windows (scaletrain.data), global batch and AdamW settings as
+`scaletrain train` with its defaults (lr 3e-3, betas 0.9/0.95, weight decay 0.1, clip 1.0, foreach).
+
+Each runner keeps its own loop, written the way that tool's documentation shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from scaletrain.config import DataConfig, ModelConfig
+from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
+from scaletrain.models import build_model, init_weights, model_args
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def job_args(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--max-bytes", type=int, default=1_000_000)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    return ap.parse_args()
+
+
+def model_on(a: argparse.Namespace, device: torch.device | str):
+    """(model with seed-0 weights on `device`, its LlamaArgs)."""
+    args = model_args(ModelConfig(name=a.model))
+    model = build_model(args, device)
+    init_weights(model, args, seed=0)
+    return model, args
+
+
+def loader_for(a: argparse.Namespace, rank: int, world: int) -> DistributedLoader:
+    """This rank's share of each global batch, from the same token stream and order as scaletrain's."""
+    tokens, _ = split_stream(load_tokens(DataConfig(seq_len=a.seq_len, max_bytes=a.max_bytes), 256, 0), 0.05)
+    return DistributedLoader(TokenWindows(tokens, a.seq_len), a.global_batch, a.global_batch // world, rank, world,
+                             seed=0)
+
+
+def adamw(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+
+class WindowClock:
+    """Mean step time of each `log_every`-step window, measured by the runner itself (seconds)."""
+
+    def __init__(self, log_every: int):
+        self.log_every, self.windows, self._t0 = log_every, [], time.perf_counter()
+
+    def lap(self) -> None:
+        now = time.perf_counter()
+        self.windows.append((now - self._t0) / self.log_every)
+        self._t0 = now
+
+    def report(self) -> None:
+        print(json.dumps({"window_step_time_s": self.windows}), flush=True)

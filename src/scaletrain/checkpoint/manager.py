@@ -1,0 +1,197 @@
+"""CheckpointManager: torch.distributed.checkpoint (DCP) saves of model + optimizer in any layout, plus the
+trainer's own state as JSON, committed atomically, kept for the last k, verified and resumed from.
+
+Model and optimizer go through `get_state_dict`/`set_state_dict`, so keys are the model's fully-qualified names
+whatever wraps it (DDP, FSDP2, TP): a checkpoint saved by one layout and world size loads into another (DCP
+reshards). Nothing is unpickled from a checkpoint by scaletrain itself: the trainer state is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from scaletrain.checkpoint.manifest import (
+    commit,
+    list_checkpoints,
+    partial_dirs,
+    step_dir_name,
+    verify,
+)
+from scaletrain.config.schema import CheckpointConfig
+from scaletrain.models.llama import plain_param_name
+
+log = logging.getLogger("scaletrain")
+
+
+def _rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    def decode(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(decode(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(decode(state["cuda"]))
+
+
+# Flattened optimizer state: one key per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), so ranks
+# holding different parameters (pipeline stages) never collide on a key and any layout can load any other's.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
+
+
+def _plain_key(key: str) -> str:
+    """Checkpoint key in the plain single-process model's names: no pipeline-stage index (`0.`) and no wrapper
+    components (DDP's `module.`, activation checkpointing's, compile's)."""
+    return plain_param_name(_STAGE_PREFIX.sub(r"\1", key, count=1))
+
+
+def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str, str]]:
+    """Model and optimizer state dicts keyed by plain names, plus the maps back to this layout's keys."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    staged = getattr(model, "pipeline", None) is not None
+    rename = _plain_key if staged else plain_param_name
+    m_back = {rename(k): k for k in model_sd}
+    o_back = {rename(k): k for k in optim_sd}
+    return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()},
+            m_back, o_back)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, info: dict):
+        self.cfg = cfg
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.info = info  # layout, world size, model: recorded in every manifest
+        self._pending: tuple | None = None  # (future, partial, final, step, due_step)
+        self._last_save_time = time.monotonic()
+        # async saves run collectives in a background thread: give them their own gloo group so they never
+        # interleave with the training collectives on the default group
+        self._group = None
+        if cfg.async_save and dist.is_initialized() and world_size > 1:
+            self._group = dist.new_group(backend="gloo")
+        if rank == 0:
+            for stale in partial_dirs(root):  # a save that never committed (crash mid-save): never loadable
+                log.warning("checkpoint: removing incomplete %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.interval_steps > 0 or self.cfg.interval_minutes > 0 or self.cfg.save_final
+
+    def minutes_due(self) -> bool:
+        """Rank-local: has interval_minutes passed since the last save? (the loop agrees across ranks)"""
+        return self.cfg.interval_minutes > 0 and \
+            time.monotonic() - self._last_save_time >= 60.0 * self.cfg.interval_minutes
+
+    def save(self, step: int, model, optimizer, trainer_state: dict, sync: bool = False) -> None:
+        """Save every rank's shard and the trainer state for `step`; async unless sync or configured sync."""
+        self.finish_pending()
+        final = self.root / step_dir_name(step)
+        if final.exists():
+            return  # already saved at this step (e.g. interval and preemption on the same step)
+        partial = self.root / (step_dir_name(step) + ".partial")
+        if self.rank == 0:
+            partial.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        model_sd, optim_sd, _, _ = _state_dicts(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
+        if self.rank == 0:
+            (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+        self._last_save_time = time.monotonic()
+        if sync or not self.cfg.async_save:
+            dcp.save(state, checkpoint_id=str(partial))
+            self._commit(partial, final, step)
+        else:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
+            self._pending = (future, partial, final, step, step + self.cfg.async_commit_after_steps)
+
+    def poll(self, step: int) -> None:
+        """Commit a pending async save once its step budget passed (same step on every rank: no agreement needed)."""
+        if self._pending is not None and step >= self._pending[4]:
+            self.finish_pending()
+
+    def finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        future, partial, final, step, _ = self._pending
+        self._pending = None
+        future.result()
+        self._commit(partial, final, step)
+
+    def _commit(self, partial: Path, final: Path, step: int) -> None:
+        _barrier()  # every rank's files are written
+        if self.rank == 0:
+            manifest = commit(partial, final, {**self.info, "step": step, "time": time.time()})
+            log.info("checkpoint: step %d saved to %s (%.1f MB)", step, final, manifest["bytes"] / 1e6)
+            self._retain()
+        _barrier()
+
+    def _retain(self) -> None:
+        if self.cfg.keep <= 0:
+            return
+        for old in list_checkpoints(self.root)[self.cfg.keep:]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def latest_good(self) -> Path | None:
+        """Rank 0: the newest checkpoint that verifies; later ones that do not are reported and skipped."""
+        for path in list_checkpoints(self.root):
+            verdict = verify(path, checksums=self.cfg.verify_on_resume)
+            if verdict.ok:
+                return path
+            log.warning("checkpoint: skipping %s: %s", path.name, verdict.problem)
+        return None
+
+    def restore(self, model, optimizer) -> dict | None:
+        """Load the newest good checkpoint into model and optimizer (any layout); returns the trainer state."""
+        step = torch.tensor([-1], dtype=torch.int64)
+        if self.rank == 0:
+            path = self.latest_good()
+            if path is not None:
+                step[0] = int(path.name.split("_")[1])
+        if dist.is_initialized() and self.world_size > 1:
+            dist.broadcast(step, src=0)
+        if step.item() < 0:
+            return None
+        path = self.root / step_dir_name(int(step.item()))
+        model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict={m_back[k]: v for k, v in state["model"].items()},
+                       optim_state_dict={o_back[k]: v for k, v in state["optim"].items()}, options=OPTIONS)
+        trainer = json.loads((path / "trainer.json").read_text())
+        manifest = json.loads((path / "manifest.json").read_text())
+        rng = path / f"rng_rank{self.rank}.json"
+        if manifest.get("world_size") == self.world_size and rng.is_file():
+            _set_rng_state(json.loads(rng.read_text()))
+        trainer["_resumed_from"] = str(path)
+        trainer["_saved_layout"] = manifest.get("layout")
+        trainer["_saved_world_size"] = manifest.get("world_size")
+        return trainer
+
+    def close(self) -> None:
+        self.finish_pending()

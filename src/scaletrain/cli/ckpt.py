@@ -1,0 +1,106 @@
+"""`scaletrain ckpt ls|verify|export`: look into, check and convert a run's checkpoints."""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+
+import click
+
+from scaletrain.checkpoint.manifest import MANIFEST, list_checkpoints, partial_dirs, read_manifest, verify
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"scaletrain: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _root(path: Path) -> Path:
+    """Accept a run folder, its checkpoints/ folder, or one checkpoint; return the folder holding step_* dirs."""
+    if not path.exists():
+        _fail(f"{path}: no such folder; pass a run folder (runs/NAME) or its checkpoints/ folder")
+    if (path / MANIFEST).is_file() or path.name.startswith("step_"):
+        return path.parent
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def _targets(path: Path) -> list[Path]:
+    if (path / MANIFEST).is_file() or path.name.startswith("step_"):
+        return [path]
+    root = _root(path)
+    found = list_checkpoints(root)
+    if not found:
+        _fail(f"{path}: holds no checkpoints (no step_NNNNNNNN folders)")
+    return found
+
+
+@click.group()
+def ckpt() -> None:
+    """Inspect, verify and export checkpoints."""
+
+
+@ckpt.command("ls")
+@click.argument("path", type=click.Path(path_type=Path))
+def ls_cmd(path: Path) -> None:
+    """List checkpoints: step, time, size, layout, world size, status."""
+    root = _root(path)
+    rows = []
+    for p in list_checkpoints(root):
+        m = read_manifest(p)
+        verdict = verify(p, checksums=False)
+        when = datetime.datetime.fromtimestamp(m["time"]).strftime("%Y-%m-%d %H:%M:%S") if m else "-"
+        rows.append((p.name, str(m["step"]) if m else "?", when, f"{m['bytes'] / 1e6:.1f} MB" if m else "-",
+                     m.get("layout", "-") if m else "-", str(m.get("world_size", "-")) if m else "-",
+                     "complete" if verdict.ok else f"BAD: {verdict.problem}"))
+    for p in partial_dirs(root):
+        rows.append((p.name, "?", "-", "-", "-", "-", "incomplete (never committed)"))
+    if not rows:
+        _fail(f"{path}: holds no checkpoints")
+    head = ("checkpoint", "step", "saved", "size", "layout", "world", "status")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@ckpt.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+def verify_cmd(path: Path) -> None:
+    """Check every file of each checkpoint against its sha256; exit 1 if any is bad."""
+    bad = 0
+    for p in _targets(path):
+        verdict = verify(p, checksums=True)
+        click.echo(f"{p.name}: {'ok' if verdict.ok else 'BAD: ' + verdict.problem}")
+        bad += not verdict.ok
+    if bad:
+        _fail(f"{bad} checkpoint(s) failed verification", code=1)
+
+
+@ckpt.command("export")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch"]), default="safetensors",
+              show_default=True, help="hf: a transformers LlamaForCausalLM folder.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (created).")
+def export_cmd(path: Path, fmt: str, out: Path) -> None:
+    """Consolidate a checkpoint (default: the newest good one) into one file set."""
+    from scaletrain.checkpoint.export import export_checkpoint
+
+    target = None
+    for p in _targets(path):
+        verdict = verify(p, checksums=True)
+        if verdict.ok:
+            target = p
+            break
+        click.echo(f"skipping {p.name}: {verdict.problem}", err=True)
+    if target is None:
+        _fail(f"{path}: no checkpoint passes verification")
+    if out.exists() and any(out.iterdir()):
+        _fail(f"--out: {out} exists and is not empty; choose a new folder")
+    try:
+        written = export_checkpoint(target, out, fmt)
+    except ValueError as e:
+        _fail(str(e))
+    for f in written:
+        click.echo(f"wrote {f}")

@@ -1,0 +1,141 @@
+"""The monitor the training loop drives: phase timer, sinks, device sampler, profiler window, MFU and the
+end-of-run diagnosis, behind a handful of calls so the loop stays readable:
+
+    mon = TrainMonitor(cfg.monitor, run_dir, ...)
+    with mon.phase("data"): ...                  # also forward/backward inside forward_backward(timer=mon.timer)
+    record = mon.on_log(record)                  # at log steps, on every rank (one small all-gather)
+    mon.step_end(step)                           # profiler schedule
+    mon.close()                                  # rank 0 writes monitor/diagnosis.json
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from scaletrain.monitor.diagnosis import Thresholds, diagnose, flagged
+from scaletrain.monitor.faults import injected_delays
+from scaletrain.monitor.metrics import JsonlSink, read_jsonl
+from scaletrain.monitor.progress import log
+from scaletrain.monitor.throughput import peak_flops
+from scaletrain.monitor.timing import NULL_TIMER, StepTimer, combine_ranks, gather_windows
+
+MFU_CONVENTION = ("model FLOPs/token (6N + 12·L·h·s, PaLM appendix B; no recompute) x tokens/s / "
+                  "(world size x catalog dense peak for the compute dtype)")
+
+
+def thresholds(cfg) -> Thresholds:
+    return Thresholds(**{k: getattr(cfg, k) for k in asdict(Thresholds())})
+
+
+def open_sinks(cfg, out: Path, start_step: int):
+    """metrics.jsonl always; TensorBoard event files in out/tensorboard when monitor.tensorboard (rank 0 only)."""
+    from scaletrain.monitor.tensorboard import MultiSink, TensorBoardSink
+
+    sinks = [JsonlSink(out / "metrics.jsonl", append=start_step > 0)]
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(out / "tensorboard", purge_step=start_step + 1 if start_step else None))
+    return MultiSink(sinks)
+
+
+def read_samples(run_dir: Path) -> dict[int, list[dict]]:
+    out = {}
+    for path in sorted((Path(run_dir) / "monitor").glob("samples_rank*.jsonl")):
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a stopped run
+        out[int(path.stem.removeprefix("samples_rank"))] = rows
+    return out
+
+
+def read_top_ops(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "profile" / "top_ops_rank0.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+class TrainMonitor:
+    def __init__(self, cfg, out: Path, rank: int, world_size: int, device: torch.device, model: torch.nn.Module,
+                 flops_per_token: float | None, dtype: str, start_step: int, layout: str):
+        self.cfg, self.out, self.rank, self.device = cfg, out, rank, device
+        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=injected_delays(cfg, rank))
+                      if cfg.breakdown else NULL_TIMER)
+        self.peak, peak_source = peak_flops(device, dtype, world_size)
+        self.flops_per_token = flops_per_token
+        pipeline = getattr(model, "pipeline", None)
+        self.pp_bubble_predicted = getattr(pipeline, "bubble", None)
+        self.sampler = None
+        if cfg.sample_interval_s > 0:
+            from scaletrain.monitor.sampler import DeviceSampler
+
+            self.sampler = DeviceSampler(out / "monitor" / f"samples_rank{rank}.jsonl", rank, device,
+                                         cfg.sample_interval_s).start()
+        self.profiler = None
+        if cfg.profile_at_step:
+            from scaletrain.monitor.profiler import ProfilerWindow
+
+            self.profiler = ProfilerWindow(out / "profile", rank, device, start_step + 1, cfg.profile_at_step,
+                                           cfg.profile_wait, cfg.profile_warmup, cfg.profile_active,
+                                           timer=self.timer if self.timer.enabled else None)
+        if rank == 0:
+            (out / "monitor").mkdir(parents=True, exist_ok=True)
+            meta = {"device": device.type, "device_name": torch.cuda.get_device_name(device)
+                    if device.type == "cuda" else "CPU", "world_size": world_size, "layout": layout,
+                    "dtype": dtype, "peak_flops": self.peak, "peak_source": peak_source,
+                    "flops_per_token": flops_per_token, "mfu_convention": MFU_CONVENTION,
+                    "pp_bubble_predicted": self.pp_bubble_predicted, "thresholds": asdict(thresholds(cfg))}
+            (out / "monitor" / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+    def phase(self, name: str):
+        return self.timer.phase(name)
+
+    def on_log(self, record: dict) -> dict:
+        """Add MFU and the rank-aggregated breakdown to a log record. Call on every rank at log steps."""
+        if self.peak and self.flops_per_token and record.get("tokens_per_s"):
+            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak
+        if self.timer.enabled:
+            rows = gather_windows(self.timer.window(), self.device)
+            record.update(combine_ranks(rows, record["step_time_s"]))
+            if self.pp_bubble_predicted is not None:
+                record["pp_bubble_predicted"] = self.pp_bubble_predicted
+        return record
+
+    def headline(self, record: dict) -> str:
+        """The live figures rank 0's progress shows next to loss and tokens/s."""
+        parts = []
+        if "mfu" in record:
+            parts.append(f"MFU {record['mfu']:.2%}")
+        st = record.get("step_time_s")
+        if st and "time_data_s" in record:
+            parts.append(f"step {st * 1e3:.0f} ms (data {record['time_data_s'] / st:.0%}, "
+                         f"comm {record['time_comm_s'] / st:.0%})")
+            if record.get("straggler_spread", 0) * 100 > self.cfg.straggler_pct:
+                parts.append(f"slowest rank {record['slowest_rank']} +{record['straggler_spread']:.0%}")
+        return "  ".join(parts)
+
+    def step_end(self, step: int) -> None:
+        if self.profiler is not None:
+            self.profiler.step(step)
+
+    def close(self) -> list:
+        """Stop sampling and profiling; on rank 0 diagnose the run, log the findings, write diagnosis.json."""
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.rank != 0 or not (self.out / "metrics.jsonl").is_file():
+            return []
+        findings = diagnose(read_jsonl(self.out / "metrics.jsonl"), thresholds(self.cfg), read_samples(self.out),
+                            read_top_ops(self.out), self.pp_bubble_predicted)
+        (self.out / "monitor" / "diagnosis.json").write_text(
+            json.dumps([f.to_dict() for f in findings], indent=1) + "\n")
+        for f in flagged(findings):
+            log.warning("diagnosis: %s: %s. Suggestion: %s", f.title, f.evidence, f.suggestion)
+        if not flagged(findings):
+            log.info("diagnosis: no bottleneck found")
+        return findings

@@ -1,0 +1,291 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the layers are split into stages at block boundaries,
+each rank runs its stage(s), and a schedule (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble,
+DualPipeV) orders the micro-batches' forward and backward passes.
+
+The split is balanced by estimated cost, not layer count: the embedding joins the first stage and the output layer
+plus loss the last, and with a large vocabulary the head alone can cost several blocks. Stage modules are pruned
+copies of the whole model (same parameter names), so weights initialise from the same numbers as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+
+# training cost of softmax + cross-entropy per logit (forward and backward), FLOP; an estimate: exp, sum, log,
+# subtract in forward, softmax minus one-hot in backward
+LOSS_FLOP_PER_LOGIT = 10.0
+
+
+def layer_costs(args, seq_len: int) -> list[float]:
+    """Training FLOPs per token of each transformer block, the embedding added to the first and the final norm,
+    output layer and loss to the last (6·params + 12·dim·seq per block, the PaLM convention of flops_per_token)."""
+    head_dim = args.dim // args.n_heads
+    attn = 2 * args.dim * args.dim + 2 * args.dim * args.n_kv_heads * head_dim
+    block = 6.0 * (attn + 3 * args.dim * args.ffn_dim) + 12.0 * args.dim * seq_len
+    embedding = 2.0 * args.dim  # a lookup forward; a scatter-add of one row per token in backward
+    head = 6.0 * args.dim * args.vocab_size + LOSS_FLOP_PER_LOGIT * args.vocab_size
+    costs = [block] * args.n_layers
+    costs[0] += embedding
+    costs[-1] += head
+    return costs
+
+
+def split_layers(costs: Sequence[float], n_stages: int, balance: str = "cost") -> list[tuple[int, int]]:
+    """Contiguous [start, end) layer ranges, one per stage, each non-empty. balance='cost' minimises the cost of
+    the most expensive stage (the pipeline's pace); 'layers' gives equal counts (earlier stages take the extra)."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"parallel.pp: {n_stages} pipeline stages need at least as many layers (the model has {n})")
+    if balance == "layers":
+        base, extra = divmod(n, n_stages)
+        bounds, start = [], 0
+        for s in range(n_stages):
+            end = start + base + (1 if s < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the lowest possible max stage cost placing layers [0, i) on k stages; cut[k][i] its last cut
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n - (n_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, end = [], n
+    for k in range(n_stages, 0, -1):
+        start = cut[k][end]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]]) -> list[float]:
+    return [float(sum(costs[a:b])) for a, b in bounds]
+
+
+def stages_of_rank(rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
+    """Stage indices a pipeline rank runs: rank, rank+pp, ... (looped), or rank and 2pp-1-rank (V shape)."""
+    if schedule in V_SCHEDULES:
+        return sorted({rank, n_stages - 1 - rank})
+    return list(range(rank, n_stages, pp))
+
+
+def stage_module(model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
+    """A copy of `model` (best on the meta device, where copying is free) keeping only the blocks in `bounds`,
+    the embedding on the first stage and the final norm and output layer on the last."""
+    part = copy.deepcopy(model)
+    start, end = bounds
+    for key in list(part.layers.keys()):
+        if not start <= int(key) < end:
+            del part.layers[key]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != n_stages - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def bubble_fraction(pipeline_order: dict, n_stages: int, forward: float = 1.0, backward_input: float = 1.0,
+                    backward_weight: float = 1.0) -> float | None:
+    """Idle share of the pipeline ranks' time over one step of a torch schedule's action table, replayed with
+    equal-cost stages (forward F, input-gradient I and weight-gradient W costs; a full backward is I + W) and
+    free communication. None if the table cannot be replayed."""
+    cost = {"F": forward, "I": backward_input, "W": backward_weight, "B": backward_input + backward_weight}
+
+    def leaves(action):
+        if action.sub_actions:
+            for sub in action.sub_actions:
+                yield from leaves(sub)
+        elif action.computation_type.value in cost:
+            yield action
+
+    queues = {r: [a for act in acts if act is not None for a in leaves(act)] for r, acts in pipeline_order.items()}
+    done: dict[tuple[str, int, int], float] = {}
+    clock = {r: 0.0 for r in queues}
+    busy = {r: 0.0 for r in queues}
+    pos = {r: 0 for r in queues}
+
+    def ready_at(a) -> float | None:
+        kind, s, m = a.computation_type.value, a.stage_index, a.microbatch_index
+        needs = []
+        if kind == "F" and s > 0:
+            needs.append([("F", s - 1, m)])
+        if kind in ("B", "I"):
+            needs.append([("F", s, m)])
+            if s < n_stages - 1:
+                needs.append([("B", s + 1, m), ("I", s + 1, m)])
+        if kind == "W":
+            needs.append([("I", s, m), ("B", s, m)])
+        t = 0.0
+        for options in needs:
+            times = [done[k] for k in options if k in done]
+            if not times:
+                return None
+            t = max(t, min(times))
+        return t
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for r, queue in queues.items():
+            while pos[r] < len(queue):
+                a = queue[pos[r]]
+                t = ready_at(a)
+                if t is None:
+                    break
+                start = max(clock[r], t)
+                c = cost[a.computation_type.value]
+                clock[r] = start + c
+                busy[r] += c
+                done[(a.computation_type.value, a.stage_index, a.microbatch_index)] = clock[r]
+                pos[r] += 1
+                progressed = True
+    if any(pos[r] < len(q) for r, q in queues.items()):
+        return None
+    span = max(clock.values())
+    return 1.0 - sum(busy.values()) / (len(queues) * span) if span else 0.0
+
+
+@contextlib.contextmanager
+def _forward_only_actions(schedule, name: str):
+    """torch 2.13 runs a V schedule's backward actions in eval() too and fails handing a gradient between the two
+    stages of one rank; replay only its forward and communication-of-forward actions instead. Dropping actions
+    only drops waits, so the remaining order cannot deadlock."""
+    table = getattr(schedule, "pipeline_order_with_comms", None)
+    if name not in V_SCHEDULES or not table:
+        yield
+        return
+    keep = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
+
+    def forward_part(actions):
+        for a in actions:
+            for leaf in (a.sub_actions or (a,)) if a is not None else ():  # DualPipeV overlaps an F with a B
+                if leaf.computation_type.value in keep:
+                    yield leaf
+
+    schedule.pipeline_order_with_comms = {rank: list(forward_part(actions)) for rank, actions in table.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = table
+
+
+class Pipeline:
+    """This rank's stages under one schedule. step() runs a whole optimizer step's forward and backward over the
+    micro-batches; the loss (summed token cross-entropy × loss_scale per micro-batch) is computed on the last
+    stage, which returns the summed token loss; other ranks return zero."""
+
+    def __init__(self, stages: list, schedule, n_stages: int, n_microbatches: int, schedule_name: str):
+        self.stages = stages
+        self.schedule = schedule
+        self.n_stages = n_stages
+        self.n_microbatches = n_microbatches
+        self.schedule_name = schedule_name
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+        self.loss_scale = 1.0
+        self.bounds: list[tuple[int, int]] | None = None  # layer range of every stage, set by the builder
+        self._token_losses: list[torch.Tensor] = []
+        order = getattr(schedule, "pipeline_order", None)
+        self.bubble = bubble_fraction(order, n_stages, 1.0, 1.0, 1.0) if order else None
+        if self.bubble is None and schedule_name in SINGLE_STAGE_SCHEDULES:
+            # torch 2.13's 1F1B action table (kept for visualisation) skips a micro-batch on the last rank; with
+            # equal stages its bubble is GPipe's (p-1)/(m+p-1) (Narayanan et al. 2021, sec. 2.2)
+            self.bubble = (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        self._token_losses.append(loss.detach())
+        return loss * self.loss_scale
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+        self._token_losses = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        if train:
+            self.schedule.step(*args, target=target, losses=[] if self.has_last else None, return_outputs=False)
+        else:
+            with _forward_only_actions(self.schedule, self.schedule_name):
+                self.schedule.eval(*args, target=target, losses=[] if self.has_last else None)
+        if not self.has_last:
+            return torch.zeros((), device=inputs.device)
+        # the first step also runs the loss once on shape-inference tensors: keep the micro-batches' own
+        return torch.stack(self._token_losses[-self.n_microbatches:]).sum()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns this rank's summed token loss (0 off the last
+        stage). inputs/targets: (b, S) tokens of this data-parallel rank, split into n_microbatches."""
+        self.loss_scale = loss_scale
+        return self._run(inputs, targets, train=True)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only; summed token loss on the last stage, 0 elsewhere."""
+        self.loss_scale = 1.0
+        return self._run(inputs, targets, train=False)
+
+    def describe(self) -> str:
+        bubble = f", bubble {self.bubble:.1%} (equal-cost stages, F:B = 1:2)" if self.bubble is not None else ""
+        layers = f" (layers {' '.join(f'{a}-{b - 1}' for a, b in self.bounds)})" if self.bounds else ""
+        return (f"pipeline {self.schedule_name}: {self.n_stages} stages{layers}, {self.n_microbatches} "
+                f"micro-batches{bubble}")
+
+
+class PipelinedModel(nn.ModuleList):
+    """This rank's pipeline stage modules (each a pruned copy of the model, possibly wrapped by TP/FSDP/DDP),
+    with the Pipeline that runs them."""
+
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int], pipeline: Pipeline | None = None):
+        super().__init__(parts)
+        self.stage_ids = stage_ids
+        self.pipeline = pipeline
+
+
+def build_pipeline(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh, device: torch.device,
+                   schedule_name: str, n_microbatches: int) -> Pipeline:
+    """PipelineStages for this rank's parts and the named schedule over them (gradients not rescaled: the loss
+    already carries the step's normalisation)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = pp_mesh.get_group()
+    holder: dict = {}
+
+    def loss_fn(logits, targets):
+        return holder["pipeline"].loss_fn(logits, targets)
+
+    class Stage(PipelineStage):
+        def _compute_outputs(self, *args, module, **kwargs):
+            # shape inference runs one real forward; under DDP outside no_sync() it would arm the gradient hooks
+            # and the next accumulating backward would register every parameter twice (reducer assert)
+            if isinstance(module, DistributedDataParallel):
+                with module.no_sync():
+                    return module(*args, **kwargs)
+            return module(*args, **kwargs)
+
+    stages = [Stage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
+    cls = get_schedule_class(schedule_name)
+    if schedule_name in SINGLE_STAGE_SCHEDULES:
+        schedule = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    pipeline = Pipeline(stages, schedule, n_stages, n_microbatches, schedule_name)
+    holder["pipeline"] = pipeline
+    return pipeline

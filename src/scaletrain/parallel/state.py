@@ -1,0 +1,25 @@
+"""The full (unsharded) parameters of a parallelised model, named as in the plain single-process model: for
+comparing layouts, exporting, or handing weights to code that knows nothing of meshes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scaletrain.models.llama import plain_param_name
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{plain name: full tensor on CPU} of the parameters this rank holds: the whole model, or under pipeline
+    parallelism this rank's stages. Sharded parameters (FSDP2, TP) are gathered over their mesh, so every rank of
+    a stage must call this (a collective). Memory: the stage's full parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    parts = list(model) if getattr(model, "pipeline", None) is not None else [model]
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        for name, value in state.items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            out[plain_param_name(name)] = value.detach().cpu().clone()
+    return out

@@ -1,0 +1,35 @@
+"""Preemption: SIGTERM or SIGUSR1 asks the run to finish its step, save a checkpoint and exit EXIT_REQUEUE.
+
+Schedulers send these before taking the machines back (Slurm's `--signal=B:USR1@120`, Kubernetes' SIGTERM before
+the grace period ends, the torchrun agent's SIGTERM when it shuts its workers down). The flag is agreed across
+ranks at the end of each step, so every rank saves the same step even if the signal reached only some of them.
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL from sysexits.h: "try again later" -- a checkpoint was saved, requeue the job
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionWatch:
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionWatch:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,204 @@
+"""Checkpoints and recovery, with real launches: SIGKILL of a rank mid-run (bit-identical result), preemption
+by SIGUSR1 then resume on another layout and world size, a corrupted newest checkpoint and a crashed save
+(fallback), and the ckpt ls / verify / export commands (HF export loaded by transformers)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import losses, run_cli, val_losses
+from scaletrain.checkpoint.export import load_full_model_state
+from scaletrain.monitor import read_jsonl
+
+STEPS = 60
+JOB = [f"train.steps={STEPS}", "monitor.log_interval=1", "train.global_batch_size=16", "data.seq_len=128",
+       "train.eval_batches=1", "train.eval_interval=0", "data.max_bytes=300000", "train.warmup_steps=5",
+       "monitor.progress=false", "checkpoint.interval_steps=10", "checkpoint.save_final=true"]
+
+
+def _start(args, cwd):
+    return subprocess.Popen([sys.executable, "-m", "scaletrain.cli.main", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run: Path, step: int, proc, timeout=240.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}: {proc.stderr.read()[-3000:]}")
+        path = run / "metrics.jsonl"
+        if path.is_file():
+            steps = [json.loads(x).get("step", 0) for x in path.read_text().splitlines() if x.endswith("}")]
+            if steps and max(steps) >= step:
+                return max(steps)
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def _workers(agent_pid: int) -> list[int]:
+    """Worker processes the torchrun agent spawned (children running multiprocessing's spawn_main)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == agent_pid and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _final_weights(run: Path) -> dict:
+    state, _ = load_full_model_state(run / "checkpoints" / f"step_{STEPS:08d}")
+    return state
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("ckpt")
+    run_cli(["train", *JOB, "run.name=clean"], cwd)
+    return cwd, cwd / "runs" / "clean"
+
+
+def test_sigkill_of_a_rank_recovers_bit_identical(clean):
+    cwd, ref = clean
+    proc = _start(["train", *JOB, "run.name=killed", "launch.max_restarts=2"], cwd)
+    reached = _wait_for_step(cwd / "runs/killed", 14, proc)
+    victims = _workers(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in err, err[-3000:]
+    assert reached < STEPS
+    got, want = _final_weights(cwd / "runs/killed"), _final_weights(ref)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert losses(cwd / "runs/killed") == losses(ref)  # the replayed steps' records replace the lost ones
+
+
+def test_preempt_then_resume_on_another_layout_and_world_size(clean):
+    cwd, ref = clean
+    run = cwd / "runs/moved"
+    proc = _start(["train", *JOB, "run.name=moved", "--nproc-per-node", "4"], cwd)  # FSDP on 4 ranks
+    _wait_for_step(run, 15, proc)
+    proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal=B:USR1@N delivers
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    stopped_at = int(saved[-1].split("_")[1])
+    assert stopped_at < STEPS and max(r["step"] for r in read_jsonl(run / "metrics.jsonl")) == stopped_at
+    # continue with DDP on 2 ranks: model, optimizer and data position carry over
+    proc2 = run_cli(["train", *JOB, "run.name=moved", "parallel.dp_replicate=2"], cwd)
+    assert f"resumed from {run / 'checkpoints' / saved[-1]}".replace(str(cwd) + "/", "") in proc2.stderr
+    stitched, want = losses(run), losses(ref)
+    assert len(stitched) == STEPS
+    for step, (a, b) in enumerate(zip(want, stitched), 1):
+        assert abs(a - b) <= 1e-5, f"step {step}: {b} vs uninterrupted {a}"
+    assert abs(val_losses(run)[-1] - val_losses(ref)[-1]) <= 1e-5
+
+
+def test_corrupt_newest_and_crashed_save_fall_back(clean):
+    cwd, ref = clean
+    run = cwd / "runs/damaged"
+    shutil.copytree(ref / "checkpoints", run / "checkpoints")
+    newest = run / "checkpoints" / f"step_{STEPS:08d}"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))  # same size, one flipped byte
+    (run / "checkpoints" / f"step_{STEPS + 10:08d}.partial").mkdir()  # a save that crashed before committing
+
+    proc = run_cli(["ckpt", "verify", str(run)], cwd, check=False)
+    assert proc.returncode == 1
+    assert f"step_{STEPS:08d}: BAD: {shard.name} fails its sha256 checksum" in proc.stdout
+    listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
+    assert "incomplete" in listing and "complete" in listing
+
+    proc = run_cli(["train", *JOB, "run.name=damaged"], cwd)
+    assert f"skipping step_{STEPS:08d}" in proc.stderr
+    assert f"step_{STEPS - 10:08d} at step {STEPS - 10}" in proc.stderr
+    assert not (run / "checkpoints" / f"step_{STEPS + 10:08d}.partial").exists()
+    assert losses(run) == losses(ref)[STEPS - 10:]  # only the replayed steps were logged in this run
+
+
+def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cwd, ref = clean
+    out = tmp_path / "hf"
+    run_cli(["ckpt", "export", str(ref), "--format", "hf", "--out", str(out)], cwd)
+    for fmt in ("safetensors", "torch"):
+        run_cli(["ckpt", "export", str(ref), "--format", fmt, "--out", str(tmp_path / fmt)], cwd)
+    state, args = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")
+    plain = torch.load(tmp_path / "torch" / "model.pt", weights_only=True)
+    assert all(torch.equal(plain[k], state[k]) for k in state)
+
+    from scaletrain.models import build_model
+
+    ours = build_model(args, "cpu")
+    ours.load_state_dict(state)
+    ours.init_buffers()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
+
+    # start a new run from the exported Hugging Face weights: the first loss is that of a trained model
+    proc = run_cli(["train", "train.steps=2", "data.seq_len=128", "data.max_bytes=300000", "monitor.log_interval=1",
+                    "train.eval_batches=1", "run.name=imported", f"checkpoint.init_from_hf={out}",
+                    "--nproc-per-node", "1"], cwd)
+    assert "initial weights from Hugging Face" in proc.stderr
+    assert losses(cwd / "runs/imported")[0] < losses(ref)[0] - 1.0
+
+
+def test_non_finite_loss_stops_or_skips(tmp_path):
+    base = ["train", "train.steps=6", "data.seq_len=64", "data.max_bytes=300000", "monitor.log_interval=1",
+            "train.eval_batches=1", "train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0",
+            "--nproc-per-node", "1"]
+    proc = run_cli([*base, "run.name=stop"], tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "is not finite (train.nan_policy=stop" in proc.stderr
+    assert "scaletrain: training failed on rank 0 (exit 1)" in proc.stderr
+    proc = run_cli([*base, "run.name=skip", "train.nan_policy=skip", "train.max_skipped_steps=2"], tmp_path,
+                   check=False)
+    assert proc.returncode == 1
+    assert "update skipped (1/2)" in proc.stderr and "3 step(s) skipped" in proc.stderr
+
+
+def _resume_copy(src: Path, dst: Path, upto: int) -> None:
+    """A run folder holding src's checkpoints up to step `upto` (as if it had stopped there)."""
+    for p in (src / "checkpoints").iterdir():
+        if int(p.name.split("_")[1]) <= upto:
+            shutil.copytree(p, dst / "checkpoints" / p.name)
+
+
+def test_pipeline_checkpoints_load_into_fsdp_and_back(clean):
+    cwd, ref = clean
+    run_cli(["train", *JOB, "run.name=pp", "parallel.pp=2", "parallel.dp_shard=1", "checkpoint.keep=0"], cwd)
+    pp = cwd / "runs/pp"
+    want = losses(ref)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(want, losses(pp)))
+    # pipeline-parallel checkpoint (stage-local names) -> FSDP on 2 ranks
+    _resume_copy(pp, cwd / "runs/pp_to_fsdp", 30)
+    proc = run_cli(["train", *JOB, "run.name=pp_to_fsdp"], cwd)
+    assert "at step 30 (saved by" in proc.stderr and "pp=2" in proc.stderr
+    for a, b in zip(want[30:], losses(cwd / "runs/pp_to_fsdp")):
+        assert abs(a - b) <= 1e-5
+    # FSDP checkpoint -> pipeline parallel
+    _resume_copy(ref, cwd / "runs/fsdp_to_pp", 40)
+    run_cli(["train", *JOB, "run.name=fsdp_to_pp", "parallel.pp=2", "parallel.dp_shard=1"], cwd)
+    for a, b in zip(want[40:], losses(cwd / "runs/fsdp_to_pp")):
+        assert abs(a - b) <= 1e-5
+    assert len(losses(cwd / "runs/fsdp_to_pp")) == STEPS - 40
