@@ -27,7 +27,12 @@ def main() -> None:
 @click.option("--print-config", is_flag=True, help="Print the resolved config as TOML and exit.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
               help="Local ranks (default: launch.nproc_per_node; 0 there means all GPUs, or 2 CPU ranks).")
-def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None) -> None:
+@click.option("--plan", "plan_mode", default=None, metavar="auto",
+              help="auto: run the planner's fastest layout for this model, batch and the local ranks "
+                   "(key=value overrides still win).")
+@click.option("--calibration", default=None, help="With --plan auto: calibration TOML from `scaletrain bench`.")
+def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None, plan_mode: str | None,
+          calibration: str | None) -> None:
     """Train: `scaletrain train [CONFIG.toml] [section.key=value ...]`.
 
     With no arguments, trains the built-in tiny Llama-style model on this Python's standard library sources
@@ -42,6 +47,10 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None)
         cfg = load_config(path, overrides)
     except ConfigError as e:
         fail(str(e))
+    if plan_mode is not None or calibration is not None:
+        overrides = _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node)
+        args = tuple([path] if path else []) + tuple(overrides)
+        cfg = load_config(path, overrides)
     if print_config:
         click.echo(to_toml(cfg), nl=False)
         return
@@ -87,6 +96,35 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None)
         click.echo(f"scaletrain: stopped by {e.sigval.name}; workers checkpoint before exiting, the same command "
                    f"resumes (exit {EXIT_REQUEUE})", err=True)
         sys.exit(EXIT_REQUEUE)
+
+
+def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> list[str]:
+    """`--plan auto`: the planner's overrides for the local ranks, then the user's; prints the choice."""
+    import os
+
+    from scaletrain.hardware import CalibrationError, detect_host
+    from scaletrain.plan.auto import PLAN_CHOICES, auto_plan
+    from scaletrain.train.preflight import default_nproc, under_external_launcher
+
+    if plan_mode not in PLAN_CHOICES:
+        fail(f"--plan: unknown mode {plan_mode!r}; the only mode is auto" if plan_mode is not None
+             else "--calibration: only used with --plan auto; add --plan auto")
+    if under_external_launcher():
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        nnodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // nproc)
+    else:
+        nproc = nproc_per_node or cfg.launch.nproc_per_node or default_nproc(cfg.run.device)
+        nnodes = cfg.launch.nnodes
+    gpu = "cpu" if cfg.run.device == "cpu" else detect_host().catalog_gpu
+    if gpu == "unknown":
+        fail("--plan auto: this host's GPU is not in the planner's catalog; run `scaletrain plan` with a cluster "
+             "file instead")
+    try:
+        chosen = auto_plan(path, overrides, nproc, nnodes, gpu, calibration)
+    except (ValueError, CalibrationError, ConfigError) as e:
+        fail(str(e))
+    click.echo(f"scaletrain: {chosen.summary()}", err=True)
+    return [*chosen.overrides, *overrides]
 
 
 @main.command()

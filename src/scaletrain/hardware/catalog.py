@@ -38,6 +38,9 @@ class GPUSpec:
     default_gpus_per_node: int
     usd_per_gpu_hour: float  # placeholder price for cost estimates; set your own in a cluster file
     sources: dict[str, str] = field(default_factory=dict)  # figure -> source
+    # share of overlappable communication (FSDP gathers, gradient reductions) that hides behind compute: NCCL
+    # runs on its own SMs and copy engines; gloo on a CPU host runs on the cores the compute ops need
+    comm_overlap: float = 1.0
 
     def is_unconfirmed(self, figure: str) -> bool:
         return UNCONFIRMED in self.sources.get(figure, UNCONFIRMED)
@@ -112,7 +115,10 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
             250, 1.0, 1.0, "loopback", "ethernet-10", 1, 0.05,
             {k: f"{UNCONFIRMED}: placeholder; run `scaletrain bench` and pass --calibration"
              for k in ("memory", "memory_bw", "bf16", "fp32", "power", "matmul_efficiency",
-                       "attention_efficiency", "price")}),
+                       "attention_efficiency", "price")}
+            | {"comm_overlap": "gloo's collectives run on CPU threads that compete with compute for the same cores, "
+                               "so none hides behind it (benchmarks/layouts.py: ddp4 beats fsdp4 on 4 CPU ranks)"},
+            comm_overlap=0.0),
 )}
 
 _NVL_EFF = "formulas.md: measured all-reduce busbw 8xA100 NVLink3 ~235 of 300 GB/s [T]"

@@ -4,8 +4,9 @@ Compute: FLOPs / (peak x achievable fraction): weight matmuls at the GPU's measu
 attention at the fused-attention fraction, pointwise ops as bytes / memory bandwidth; backward = 2 x forward;
 full checkpointing re-runs the forward of every block, selective re-runs the pointwise ops.
 Communication per micro-batch and per step from message sizes over the link each mesh dim crosses (comm.py);
-FSDP gathers and DDP/FSDP gradient reductions overlap with compute (only what sticks out counts), TP and PP
-traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble ratio (pipeline.py).
+FSDP gathers and DDP/FSDP gradient reductions overlap with compute (only what sticks out counts) as far as the
+device lets them (GPUSpec.comm_overlap: NCCL fully, gloo on CPUs not at all); each FSDP unit and DDP bucket pays
+the collective latency once. TP and PP traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble ratio (pipeline.py).
 """
 
 from __future__ import annotations
@@ -94,21 +95,36 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     pp_mb = np.where(pp > 1, 2.0 * p2p_factor(grid.schedule) * p2p_seconds(act_bytes / tp, pp_inner, pp, cluster),
                      0.0)
 
-    # data parallel
-    fwd_compute = compute_mb / 3.0
-    bwd_compute = compute_mb - fwd_compute
-    gather = collective_seconds("all_gather", e * cols["n_tp"], dps, tp * cp, cluster)
+    # data parallel: only the device's comm_overlap share of the compute can hide collectives (none on CPUs,
+    # where gloo's threads and the compute share the cores)
+    fwd_compute = compute_mb / 3.0 * cluster.gpu.comm_overlap
+    bwd_compute = (compute_mb - compute_mb / 3.0) * cluster.gpu.comm_overlap
+    # FSDP issues one collective per block and one for the root, each paying the link latency
+    units = layers + 1.0
+
+    def per_unit(kind, nbytes, size, inner):
+        startup = collective_seconds(kind, 0.0, size, inner, cluster)
+        return collective_seconds(kind, nbytes, size, inner, cluster) + (units - 1.0) * startup
+
+    gather = per_unit("all_gather", e * cols["n_tp"], dps, tp * cp)
     gather_bwd = gather * (cols["n_tp"] - cols["root_tp"]) / cols["n_tp"]  # the root stays gathered
-    rs = collective_seconds("reduce_scatter", 4.0 * cols["n_tp"], dps, tp * cp, cluster)
-    hsdp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"] / dps, dpr, tp * cp * dps, cluster)
+    rs = per_unit("reduce_scatter", 4.0 * cols["n_tp"], dps, tp * cp)
+    hsdp_ar = per_unit("all_reduce", 4.0 * cols["n_tp"] / dps, dpr, tp * cp * dps)
     fsdp = grid.dp_shard > 1
-    fsdp_mb = np.where(fsdp, np.maximum(0.0, gather - fwd_compute) + gather / np.maximum(layers, 1)
+    # the first gather and the last reduction wait on / for compute; the rest hides behind it as far as it can
+    first_gather = gather / np.maximum(layers, 1)
+    last_reduce = (rs + hsdp_ar) / np.maximum(layers, 1)
+    fsdp_mb = np.where(fsdp, first_gather + np.maximum(0.0, gather - first_gather - fwd_compute)
                        + np.maximum(0.0, gather_bwd - bwd_compute), 0.0)
-    fsdp_last = np.where(fsdp, np.maximum(0.0, gather_bwd + rs + hsdp_ar - bwd_compute)
-                         - np.maximum(0.0, gather_bwd - bwd_compute) + (rs + hsdp_ar) / np.maximum(layers, 1), 0.0)
-    ddp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster)
+    fsdp_last = np.where(fsdp, np.maximum(0.0, gather_bwd + rs + hsdp_ar - last_reduce - bwd_compute)
+                         - np.maximum(0.0, gather_bwd - bwd_compute) + last_reduce, 0.0)
+    # DDP all-reduces one bucket of DDP_BUCKET_CAP_BYTES at a time, each paying the latency
+    buckets = np.ceil(4.0 * cols["n_tp"] / DDP_BUCKET_CAP_BYTES)
+    ddp_ar = (collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster)
+              + (buckets - 1.0) * collective_seconds("all_reduce", 0.0, dpr, tp * cp, cluster))
     tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
-    ddp_last = np.where(~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar - bwd_compute) + ddp_ar * tail, 0.0)
+    ddp_last = np.where(~fsdp & (grid.dp_replicate > 1),
+                        np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0)
 
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)

@@ -1,0 +1,81 @@
+"""The planner's predicted step time next to the measured one for every layout benchmarks/layouts.py runs on N
+CPU ranks, and where the planner ranks the measured-fastest layout.
+
+    python benchmarks/planner_vs_measured.py [--nproc 4] [--steps 30] [--calibration FILE] [layouts.py flags]
+
+Without --calibration the planner uses the catalog's CPU placeholders (absolute times are then off; the ranking
+is what counts); with a `scaletrain bench` file its compute and all-reduce figures are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from layouts import layouts, run  # noqa: E402  (benchmarks/layouts.py's measurement)
+
+from scaletrain.hardware import apply_calibration, load_calibration, make_cluster  # noqa: E402
+from scaletrain.models import PRESETS  # noqa: E402
+from scaletrain.plan import Layout, Workload, evaluate_layout  # noqa: E402
+
+
+def planned_layout(overrides: list[str], global_batch: int) -> Layout:
+    """The Layout benchmarks/layouts.py's overrides run (trainer defaults: one micro-batch per DP rank, or one
+    sequence per pipeline micro-batch with 1F1B; fp32; no checkpointing)."""
+    d = {o.split("=")[0].split(".")[1]: int(o.split("=")[1]) for o in overrides if o.split("=")[1].isdigit()}
+    rep, shard, tp, pp = d["dp_replicate"], d["dp_shard"], d["tp"], d["pp"]
+    per_rank = global_batch // (rep * shard)
+    mb, acc = (1, per_rank) if pp > 1 else (per_rank, 1)
+    return Layout(rep, shard, tp, pp, 1, mb, acc, "none", "fp32", "1F1B" if pp > 1 else "none")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--only", default="", help="comma-separated layout names")
+    ap.add_argument("--calibration", default="", help="`scaletrain bench` TOML for the planner")
+    ap.add_argument("--set", action="append", default=[], help="an extra config override for every run")
+    a = ap.parse_args()
+    if a.steps < 2 * a.log_every:
+        a.log_every = max(1, a.steps // 2)
+    cluster = make_cluster("cpu", a.nproc, gpus_per_node=a.nproc)
+    if a.calibration:
+        cluster = apply_calibration(cluster, load_calibration(a.calibration))
+    work = Workload(a.model, PRESETS[a.model], a.seq_len, a.global_batch)
+    todo = layouts(a.nproc)
+    if a.only:
+        todo = {k: v for k, v in todo.items() if k in a.only.split(",")}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, over in todo.items():
+            r = run(name, over, a, Path(tmp))
+            print(f"  {name}: done", file=sys.stderr, flush=True)
+            if "step_time_s" in r:
+                r["predicted_s"] = evaluate_layout(work, cluster, planned_layout(over, a.global_batch)).step_s
+                rows.append(r)
+    if not rows:
+        sys.exit("no layout ran")
+    print(f"model {a.model}, {a.nproc} CPU ranks, {a.steps} steps x {a.global_batch} x {a.seq_len} tokens; planner "
+          f"on {cluster.gpu.name}" + (f" ({cluster.calibration_note})" if cluster.calibration_note else
+                                      " (catalog placeholders)"))
+    by_pred = sorted(rows, key=lambda r: r["predicted_s"])
+    print(f"{'layout':<14}{'measured ms':>12}{'predicted ms':>13}{'rank meas.':>11}{'rank pred.':>11}")
+    for i, r in enumerate(sorted(rows, key=lambda r: r["step_time_s"]), 1):
+        print(f"{r['layout']:<14}{r['step_time_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}{i:>11}"
+              f"{by_pred.index(r) + 1:>11}")
+    fastest = min(rows, key=lambda r: r["step_time_s"])
+    print(f"measured-fastest {fastest['layout']} is #{by_pred.index(fastest) + 1} of {len(rows)} in the planner's "
+          f"ranking")
+
+
+if __name__ == "__main__":
+    main()
