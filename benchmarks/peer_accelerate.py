@@ -9,7 +9,7 @@ needs mpirun.)
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from same_job import WindowClock, adamw, job_args, loader_for, model_on
+from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, model_on
 
 
 def main() -> None:
@@ -35,6 +35,7 @@ def main() -> None:
     if accelerator.is_main_process:
         clock.report()
     accelerator.end_training()
+    leave_process_group()  # Accelerate leaves the group to interpreter exit; same teardown as every runner
 
 
 if __name__ == "__main__":

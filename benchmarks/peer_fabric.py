@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from lightning_fabric import Fabric
 
-from same_job import WindowClock, adamw, job_args, loader_for, model_on
+from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, model_on
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     if fabric.global_rank == 0:
         clock.report()
     # Fabric leaves the process group to interpreter exit, where gloo ranks aborted now and then on this machine
-    torch.distributed.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from same_job import WindowClock, adamw, job_args, loader_for, model_on
+from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, model_on
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
             clock.lap()
     if rank == 0:
         clock.report()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from same_job import DTYPES, WindowClock, adamw, job_args, loader_for
+from same_job import DTYPES, WindowClock, adamw, job_args, leave_process_group, loader_for
 from scaletrain.config import ModelConfig
 from scaletrain.models import build_model, init_weights, model_args
 
@@ -54,7 +54,7 @@ def main() -> None:
             clock.lap()
     if rank == 0:
         clock.report()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -66,3 +66,16 @@ class WindowClock:
 
     def report(self) -> None:
         print(json.dumps({"window_step_time_s": self.windows}), flush=True)
+
+
+def leave_process_group() -> None:
+    """Barrier, then destroy the process group. Without the barrier a gloo worker thread can still be releasing a
+    finished collective's tensors (which needs the GIL) while the main thread destroys the group holding the GIL:
+    the process hangs in ~ProcessGroupGloo (seen here, gdb) or aborts at exit. A torch issue, not the loop's; every
+    runner gets the same workaround so teardown never decides a measurement."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()

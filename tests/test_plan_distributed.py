@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, out) -> None:
                             "optimizer states": states})
         out.put(results)
     finally:
+        dist.barrier()  # a gloo thread may still release a finished collective; destroying now can deadlock
         dist.destroy_process_group()
 
 

@@ -36,12 +36,30 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient became NaN/Inf and the nan policy says stop."""
 
 
-def _agree(*flags: bool) -> tuple[bool, ...]:
-    """Logical OR of each flag over all ranks (one tiny all-reduce), so every rank takes the same branch."""
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return tuple(bool(x) for x in t.tolist())
+class RankAgreement:
+    """Logical OR of per-rank flags over all ranks, so every rank takes the same branch (preemption, time-based
+    checkpoint). The all-reduce started at the end of step k is awaited at the end of step k+1: its latency hides
+    behind a step of compute instead of stalling every step, and decisions are taken one step late."""
+
+    def __init__(self) -> None:
+        self._pending: tuple | None = None
+
+    def exchange(self, *flags: bool) -> tuple[bool, ...]:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return tuple(bool(f) for f in flags)
+        agreed = (False,) * len(flags)
+        if self._pending is not None:
+            work, buf = self._pending
+            work.wait()
+            agreed = tuple(bool(x) for x in buf.tolist())
+        buf = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        self._pending = (dist.all_reduce(buf, op=dist.ReduceOp.MAX, async_op=True), buf)
+        return agreed
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -133,6 +151,7 @@ def train(cfg: JobConfig) -> dict:
     steps_since_log = 0
     watchdog = Watchdog(out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s,
                         cfg.launch.collective_timeout_s)
+    agreement = RankAgreement()
     with PreemptionWatch() as preemption, watchdog:
         for step in range(start_step + 1, cfg.train.steps + 1):
             watchdog.beat(step, "data")
@@ -179,8 +198,9 @@ def train(cfg: JobConfig) -> dict:
                 progress.message(f"step {step}: validation loss {val_loss:.4f}")
 
             watchdog.beat(step, "end-of-step agreement")
-            stop, minutes_due = _agree(preemption.requested, ckpt.minutes_due())
+            stop, minutes_due = agreement.exchange(preemption.requested, ckpt.minutes_due())
             if stop:
+                agreement.close()
                 ckpt.save(step, model, optimizer, trainer_state(), sync=True)
                 progress.close()
                 log.warning("preempted (%s): checkpoint of step %d saved; exiting %d so the job is requeued",
@@ -196,6 +216,7 @@ def train(cfg: JobConfig) -> dict:
                 ckpt.save(step, model, optimizer, trainer_state())
             ckpt.poll(step)
             mon.step_end(step)
+        agreement.close()
         if cfg.checkpoint.save_final:
             ckpt.save(cfg.train.steps, model, optimizer, trainer_state(), sync=True)
         ckpt.close()

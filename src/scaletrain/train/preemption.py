@@ -2,7 +2,8 @@
 
 Schedulers send these before taking the machines back (Slurm's `--signal=B:USR1@120`, Kubernetes' SIGTERM before
 the grace period ends, the torchrun agent's SIGTERM when it shuts its workers down). The flag is agreed across
-ranks at the end of each step, so every rank saves the same step even if the signal reached only some of them.
+ranks (a non-blocking all-reduce awaited one step later), so every rank saves the same step even if the signal
+reached only some of them; the run stops at the end of the step after the one the signal arrived in.
 """
 
 from __future__ import annotations
