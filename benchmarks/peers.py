@@ -151,6 +151,10 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 break
+        try:  # a launcher that exited can leave ranks of its session behind (hung in teardown): stop them too
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     if not _steps_done(probe, a.steps, a.nproc) or (done_at is None and proc.returncode != 0):
         raise RuntimeError(f"{name} exited {proc.returncode} before its last step; last output:\n"
                            f"{log.read_text()[-3000:]}")
