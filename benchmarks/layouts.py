@@ -75,8 +75,9 @@ def run(name: str, overrides: list[str], a, workdir: Path) -> dict:
             "final_loss": [r["loss"] for r in rows if "loss" in r][-1]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_arguments(description: str) -> argparse.ArgumentParser:
+    """The job and layout options shared by this benchmark and planner_vs_measured.py."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=30)
@@ -84,11 +85,21 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--only", default="", help="comma-separated layout names")
-    ap.add_argument("--json", default="", help="also write the rows to this file")
     ap.add_argument("--set", action="append", default=[], help="an extra config override for every run")
+    return ap
+
+
+def parse_run_arguments(ap: argparse.ArgumentParser) -> argparse.Namespace:
     a = ap.parse_args()
     if a.steps < 2 * a.log_every:
         a.log_every = max(1, a.steps // 2)
+    return a
+
+
+def main() -> None:
+    ap = run_arguments(__doc__)
+    ap.add_argument("--json", default="", help="also write the rows to this file")
+    a = parse_run_arguments(ap)
     todo = layouts(a.nproc)
     if a.only:
         todo = {k: v for k, v in todo.items() if k in a.only.split(",")}

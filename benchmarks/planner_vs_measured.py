@@ -9,14 +9,13 @@ is what counts); with a `scaletrain bench` file its compute and all-reduce figur
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from layouts import layouts, run  # noqa: E402  (benchmarks/layouts.py's measurement)
+from layouts import layouts, parse_run_arguments, run, run_arguments  # noqa: E402  (benchmarks/layouts.py's measurement)
 
 from scaletrain.hardware import apply_calibration, load_calibration, make_cluster  # noqa: E402
 from scaletrain.models import PRESETS  # noqa: E402
@@ -34,19 +33,9 @@ def planned_layout(overrides: list[str], global_batch: int) -> Layout:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--log-every", type=int, default=5)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--only", default="", help="comma-separated layout names")
+    ap = run_arguments(__doc__)
     ap.add_argument("--calibration", default="", help="`scaletrain bench` TOML for the planner")
-    ap.add_argument("--set", action="append", default=[], help="an extra config override for every run")
-    a = ap.parse_args()
-    if a.steps < 2 * a.log_every:
-        a.log_every = max(1, a.steps // 2)
+    a = parse_run_arguments(ap)
     cluster = make_cluster("cpu", a.nproc, gpus_per_node=a.nproc)
     if a.calibration:
         cluster = apply_calibration(cluster, load_calibration(a.calibration))
