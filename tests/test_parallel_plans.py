@@ -60,7 +60,7 @@ def test_auto_tp_plan_finds_hf_llama_projections_by_structure():
         model = HFLlamaLike()
     styles = _styles(auto_tp_plan(model))
     assert len(styles) == 3 * 7 + 2
-    assert styles["model.embed_tokens"] == "RowwiseParallel" and styles["lm_head"] == "ColwiseParallel"
+    assert styles["model.embed_tokens"] == "ColwiseParallel" and styles["lm_head"] == "ColwiseParallel"
     for i in range(3):
         p = f"model.layers.{i}."
         for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
@@ -85,6 +85,23 @@ def test_balanced_split_beats_equal_layer_counts_when_the_head_is_big():
     assert bal_max < 0.9 * eq_max  # the pipeline's pace is its slowest stage
     # the split covers every layer once and is optimal: no other 2-way cut has a cheaper slowest stage
     assert min(max(sum(costs[:c]), sum(costs[c:])) for c in range(1, 4)) == pytest.approx(bal_max)
+
+
+def test_cost_split_is_optimal_contiguous_and_covers_every_layer():
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([1.0, 2.0, 3.0, rng.random() * 5]) for _ in range(n)]
+        bounds = split_layers(costs, k)
+        assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(k - 1))
+        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, n)))
+                   for cut in itertools.combinations(range(1, n), k - 1))
+        assert max(stage_costs(costs, bounds)) == pytest.approx(best, rel=1e-12)
 
 
 def test_stage_modules_keep_the_plain_model_names():

@@ -1,8 +1,12 @@
-"""Predicted model-state bytes per rank equal the bytes of the tensors DDP and FSDP2 actually keep, on 2 gloo
-ranks (one launch for every check: process-group start-up is the expensive part)."""
+"""Predicted model-state bytes per rank equal the bytes of the tensors the trainer actually keeps after a real
+training step (its Job, forward_backward and optimizer step), for DDP, FSDP2, TP (+SP), PP (looped and V
+schedules) and 2-D layouts, on gloo ranks. One launch per world size: process-group start-up is the expensive
+part. The pipeline layouts use a 4096-token vocabulary so that the cost-balanced split is uneven (3 blocks + the
+embedding, then 1 block + the head): the planner must split as the trainer does."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
@@ -11,9 +15,23 @@ import torch
 from scaletrain.models import PRESETS
 from scaletrain.plan.memory import trainer_model_state_bytes
 
-LAYOUTS = [  # (dp_replicate, dp_shard, precision)
-    (2, 1, "fp32"), (2, 1, "bf16"), (1, 2, "fp32"), (1, 2, "bf16"),
+SEQ = 32
+# (dp_replicate, dp_shard, tp, pp, precision, schedule, vocab)
+LAYOUTS_2 = [
+    (2, 1, 1, 1, "fp32", None, 256), (2, 1, 1, 1, "bf16", None, 256),
+    (1, 2, 1, 1, "fp32", None, 256), (1, 2, 1, 1, "bf16", None, 256),
+    (1, 1, 2, 1, "fp32", None, 256), (1, 1, 2, 1, "bf16", None, 256),
+    (1, 1, 1, 2, "fp32", "1F1B", 4096), (1, 1, 1, 2, "fp32", "Interleaved1F1B", 4096),
+    (1, 1, 1, 2, "fp32", "ZBVZeroBubble", 4096),
 ]
+LAYOUTS_4 = [
+    (1, 2, 2, 1, "bf16", None, 256), (1, 2, 1, 2, "fp32", "1F1B", 4096), (2, 1, 1, 2, "fp32", "1F1B", 4096),
+    (1, 1, 2, 2, "fp32", "1F1B", 4096),
+]
+
+
+def _args(vocab: int):
+    return dataclasses.replace(PRESETS["tiny"], vocab_size=vocab)
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -21,41 +39,46 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _worker(rank: int, world: int, port: int, out) -> None:
+def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
     import torch.distributed as dist
 
     from scaletrain.config.schema import ParallelConfig, PrecisionConfig, TrainConfig
+    from scaletrain.data.loader import Batch
     from scaletrain.models import build_model, init_weights
     from scaletrain.parallel.apply import apply_parallelism
     from scaletrain.parallel.dims import ParallelDims, build_mesh
-    from scaletrain.parallel.data_parallel import uses_autocast
+    from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
+    from scaletrain.train.step import forward_backward
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = []
     try:
-        args = PRESETS["tiny"]
-        for dpr, dps, dtype in LAYOUTS:
-            dims = ParallelDims(dpr, dps, 1, 1)
+        for layout in layouts:
+            dpr, dps, tp, pp, dtype, schedule, vocab = layout
+            args = _args(vocab)
+            dims = ParallelDims(dpr, dps, tp, pp)
             mesh = build_mesh(dims, "cpu")
-            model = build_model(args, "meta")
-            model = apply_parallelism(model, dims, mesh, torch.device("cpu"), ParallelConfig(dp_replicate=dpr,
-                                      dp_shard=dps), PrecisionConfig(dtype=dtype),
-                                      init_fn=lambda m: init_weights(m, args, seed=0))
+            pcfg = ParallelConfig(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, sequence_parallel=tp > 1,
+                                  **({"pp_schedule": schedule} if schedule else {}))
+            model = apply_parallelism(build_model(args, "meta"), dims, mesh, torch.device("cpu"), pcfg,
+                                      PrecisionConfig(dtype=dtype), init_fn=lambda m, a=args: init_weights(m, a, 0),
+                                      microbatches=4, seq_len=SEQ)
             opt = build_optimizer(model, TrainConfig())
-            tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank))
-            ctx = torch.autocast("cpu", dtype=torch.bfloat16) if uses_autocast(dims, dtype) else \
-                torch.autocast("cpu", enabled=False)
-            with ctx:
-                logits = model(tokens)
-            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
-            opt.step()
-            params = sum(_local_bytes(p) for p in model.parameters())
+            job = Job(model, opt, dims, mesh, torch.device("cpu"), rank, world, 0, dtype)
+            gen = torch.Generator().manual_seed(0)
+            batches = []
+            for _ in range(4):
+                tokens = torch.randint(0, vocab, (1, SEQ + 1), generator=gen)
+                batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
+            forward_backward(job, batches, 1.0 / (4 * SEQ))
             grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+            job.step()  # creates the optimizer states, then frees the gradients
+            params = sum(_local_bytes(p) for p in model.parameters())
             states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-            results.append({"rank": rank, "layout": (dpr, dps, dtype), "parameters": params, "gradients": grads,
-                            "optimizer states": states})
+            results.append({"layout": layout, "pp_rank": mesh["pp"].get_local_rank() if pp > 1 else 0,
+                            "parameters": params, "gradients": grads, "optimizer states": states})
         out.put(results)
     finally:
         dist.barrier()  # a gloo thread may still release a finished collective; destroying now can deadlock
@@ -68,24 +91,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def measured() -> list[dict]:
+def _launch(world: int, layouts: list) -> list[dict]:
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), q), nprocs=2, join=True, start_method="spawn")
-    return q.get() + q.get()
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(world, _free_port(), layouts, q), nprocs=world, join=True,
+                       start_method="spawn")
+    return [r for _ in range(world) for r in q.get()]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dpr{x[0]}-dps{x[1]}-{x[2]}")
-def test_model_state_bytes_match_sharded_tensors(measured, layout):
-    dpr, dps, _ = layout
-    predicted = trainer_model_state_bytes(PRESETS["tiny"], tp=1, pp=1, dp_shard=dps)
+@pytest.fixture(scope="module")
+def measured_2() -> list[dict]:
+    return _launch(2, LAYOUTS_2)
+
+
+@pytest.fixture(scope="module")
+def measured_4() -> list[dict]:
+    return _launch(4, LAYOUTS_4)
+
+
+def _check(measured: list[dict], layout: tuple, world: int) -> None:
+    dpr, dps, tp, pp, _, schedule, vocab = layout
     rows = [r for r in measured if tuple(r["layout"]) == layout]
-    assert len(rows) == 2
-    for r in rows:  # the tiny model's dims are all even, so both ranks hold the same bytes
+    assert len(rows) == world
+    v_shaped = schedule == "ZBVZeroBubble"
+    stages = 1 if schedule in (None, "1F1B") else 2
+    for r in rows:  # the tiny model's dims are all even, so every data-parallel/TP rank holds the same bytes
+        predicted = trainer_model_state_bytes(_args(vocab), tp, pp, dps, SEQ, stages, v_shaped, r["pp_rank"])
         assert {k: r[k] for k in predicted} == predicted, r
-    if dps > 1:
-        full = trainer_model_state_bytes(PRESETS["tiny"])
-        assert predicted["parameters"] * 2 == full["parameters"]
+    if pp > 1:  # the pipeline ranks really hold different parts, and the planner's largest is the largest
+        by_rank = {r["pp_rank"]: r["parameters"] for r in rows}
+        assert len(set(by_rank.values())) > 1
+        assert trainer_model_state_bytes(_args(vocab), tp, pp, dps, SEQ, stages, v_shaped)["parameters"] == \
+            max(by_rank.values())
+
+
+def _ids(x) -> str:
+    dpr, dps, tp, pp, dtype, schedule, vocab = x
+    return f"dpr{dpr}-dps{dps}-tp{tp}-pp{pp}-{dtype}" + (f"-{schedule}" if schedule else "")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_2, ids=_ids)
+def test_model_state_bytes_match_the_trainers_tensors_on_2_ranks(measured_2, layout):
+    _check(measured_2, layout, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_4, ids=_ids)
+def test_model_state_bytes_match_the_trainers_tensors_on_4_ranks(measured_4, layout):
+    _check(measured_4, layout, 4)
+
+
+def test_fsdp_halves_what_one_rank_keeps():
+    full = trainer_model_state_bytes(PRESETS["tiny"])
+    assert trainer_model_state_bytes(PRESETS["tiny"], dp_shard=2)["parameters"] * 2 == full["parameters"]

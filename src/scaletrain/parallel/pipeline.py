@@ -2,16 +2,15 @@
 each rank runs its stage(s), and a schedule (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble,
 DualPipeV) orders the micro-batches' forward and backward passes.
 
-The split is balanced by estimated cost, not layer count: the embedding joins the first stage and the output layer
-plus loss the last, and with a large vocabulary the head alone can cost several blocks. Stage modules are pruned
-copies of the whole model (same parameter names), so weights initialise from the same numbers as one process.
+The split (models/stages.py, shared with the planner) is balanced by estimated cost, not layer count. Stage modules
+are pruned copies of the whole model (same parameter names), so weights initialise from the same numbers as one
+process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,71 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-
-# training cost of softmax + cross-entropy per logit (forward and backward), FLOP; an estimate: exp, sum, log,
-# subtract in forward, softmax minus one-hot in backward
-LOSS_FLOP_PER_LOGIT = 10.0
-
-
-def layer_costs(args, seq_len: int) -> list[float]:
-    """Training FLOPs per token of each transformer block, the embedding added to the first and the final norm,
-    output layer and loss to the last (6·params + 12·dim·seq per block, the PaLM convention of flops_per_token)."""
-    head_dim = args.dim // args.n_heads
-    attn = 2 * args.dim * args.dim + 2 * args.dim * args.n_kv_heads * head_dim
-    block = 6.0 * (attn + 3 * args.dim * args.ffn_dim) + 12.0 * args.dim * seq_len
-    embedding = 2.0 * args.dim  # a lookup forward; a scatter-add of one row per token in backward
-    head = 6.0 * args.dim * args.vocab_size + LOSS_FLOP_PER_LOGIT * args.vocab_size
-    costs = [block] * args.n_layers
-    costs[0] += embedding
-    costs[-1] += head
-    return costs
-
-
-def split_layers(costs: Sequence[float], n_stages: int, balance: str = "cost") -> list[tuple[int, int]]:
-    """Contiguous [start, end) layer ranges, one per stage, each non-empty. balance='cost' minimises the cost of
-    the most expensive stage (the pipeline's pace); 'layers' gives equal counts (earlier stages take the extra)."""
-    n = len(costs)
-    if not 1 <= n_stages <= n:
-        raise ValueError(f"parallel.pp: {n_stages} pipeline stages need at least as many layers (the model has {n})")
-    if balance == "layers":
-        base, extra = divmod(n, n_stages)
-        bounds, start = [], 0
-        for s in range(n_stages):
-            end = start + base + (1 if s < extra else 0)
-            bounds.append((start, end))
-            start = end
-        return bounds
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the lowest possible max stage cost placing layers [0, i) on k stages; cut[k][i] its last cut
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n_stages + 1):
-        for i in range(k, n - (n_stages - k) + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    bounds, end = [], n
-    for k in range(n_stages, 0, -1):
-        start = cut[k][end]
-        bounds.append((start, end))
-        end = start
-    return bounds[::-1]
-
-
-def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]]) -> list[float]:
-    return [float(sum(costs[a:b])) for a, b in bounds]
+from scaletrain.models.stages import layer_costs, split_layers, stage_costs  # noqa: F401 (re-exported)
+from scaletrain.models.stages import stages_of_rank as _stages_of_rank
 
 
 def stages_of_rank(rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     """Stage indices a pipeline rank runs: rank, rank+pp, ... (looped), or rank and 2pp-1-rank (V shape)."""
-    if schedule in V_SCHEDULES:
-        return sorted({rank, n_stages - 1 - rank})
-    return list(range(rank, n_stages, pp))
+    return _stages_of_rank(rank, pp, n_stages, schedule in V_SCHEDULES)
 
 
 def stage_module(model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:

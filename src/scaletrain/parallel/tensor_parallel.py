@@ -44,7 +44,9 @@ def llama_tp_plan(model: nn.Module, opts: TPOptions) -> dict:
     act = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
     plan: dict = {}
     if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+        # sharded on the hidden dim, not the vocabulary: torch 2.13 returns a vocabulary-sharded (RowwiseParallel)
+        # embedding's gradient as a full Replicate tensor on every rank (tests/test_plan_distributed.py)
+        plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=act)
     if getattr(model, "norm", None) is not None and sp:
         plan["norm"] = SequenceParallel()
     if getattr(model, "output", None) is not None:
@@ -138,7 +140,7 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
         if name.startswith(inside):
             continue
         if isinstance(m, nn.Embedding):
-            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # see llama_tp_plan
         elif isinstance(m, nn.Linear) and m.in_features == hidden:
             plan[name] = ColwiseParallel(output_layouts=Replicate())
     return plan

@@ -17,7 +17,7 @@ from scaletrain.hardware.cluster import Cluster
 from scaletrain.models.llama import LlamaArgs
 from scaletrain.plan.layout import ELEMENT_BYTES, PRECISIONS, LayoutGrid, Workload
 from scaletrain.plan.pipeline import activations_in_flight
-from scaletrain.plan.shapes import param_columns, params_per_rank
+from scaletrain.plan.shapes import layout_columns, rank_params
 
 # ---- fixed overheads (formulas.md: "budget 1-2 GB per GPU for CUDA context and NCCL buffers", as own lines) ----
 CUDA_CONTEXT_BYTES = 0.5e9  # unconfirmed: CUDA context + cuBLAS/cuDNN workspaces, typical 0.3-0.6 GB
@@ -126,11 +126,15 @@ def output_layer_transient_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1):
     return e * v + np.where(e < 4, 4.0 * v, 0.0)
 
 
-def trainer_model_state_bytes(args: LlamaArgs, tp: int = 1, pp: int = 1, dp_shard: int = 1) -> dict[str, float]:
-    """Bytes of parameters, gradients and AdamW states on the largest rank as scaletrain's trainer keeps them:
-    all fp32 (the compute dtype only changes gathered copies), FSDP2 sharding dim 0 of every tensor; optimizer
-    states are exp_avg and exp_avg_sq plus one fp32 step counter per tensor."""
-    numel, tensors = params_per_rank(args, tp, pp, dp_shard)
+def trainer_model_state_bytes(args: LlamaArgs, tp: int = 1, pp: int = 1, dp_shard: int = 1,
+                              seq_len: int | None = None, stages_per_rank: int = 1, v_shaped: bool = False,
+                              pp_rank: int | None = None) -> dict[str, float]:
+    """Bytes of parameters, gradients and AdamW states as scaletrain's trainer keeps them, on pipeline rank
+    `pp_rank` (None: the rank that holds the most), stages split as the trainer splits them for seq_len-token
+    samples: all fp32 (the compute dtype only changes gathered copies), FSDP2 sharding dim 0 of every tensor;
+    optimizer states are exp_avg and exp_avg_sq plus one fp32 step counter per tensor."""
+    per_rank = rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank if pp > 1 else 1, v_shaped)
+    numel, tensors = max(per_rank) if pp_rank is None else per_rank[pp_rank]
     return {"parameters": 4.0 * numel, "gradients": 4.0 * numel, "optimizer states": 8.0 * numel + 4.0 * tensors}
 
 
@@ -139,7 +143,7 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
                      ) -> dict[str, np.ndarray]:
     """Bytes per rank on the busiest rank for every layout of the grid, one array per line of MEMORY_LINES."""
     args = work.args
-    cols = cols if cols is not None else param_columns(args, grid.tp, grid.pp, grid.dp_shard)
+    cols = cols if cols is not None else layout_columns(work, grid)
     e = np.asarray([ELEMENT_BYTES[p] for p in PRECISIONS], dtype=np.float64)[grid.precision]
     fsdp = grid.dp_shard > 1
     ddp = (grid.dp_shard == 1) & (grid.dp_replicate > 1)
@@ -162,16 +166,17 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
         sel = grid.ac == code
         if sel.any():
             per = llama_layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
-            act[sel] = per * tok[sel] * cols["layers"][sel]
+            act[sel] = per * tok[sel]  # one block's, per micro-batch
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
     out = (output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
            + output_layer_transient_bytes_per_token(args, e, grid.tp)) * tok
     v_shaped = grid.schedule >= 5  # V schedules put the first and the last chunk on the same rank
     last_in_flight = np.where(grid.schedule == 1, m, 1.0)
-    first = act * in_flight
-    last = act * last_in_flight + out
-    lines["activations"] = np.where((grid.pp == 1) | v_shaped, first, np.where(first >= last, first, act *
-                                                                                 last_in_flight))
+    # pipeline rank 0 keeps the most micro-batches in flight, the last rank adds the output layer: the larger
+    first = act * cols["layers_first"] * in_flight
+    last = act * cols["layers_head"] * last_in_flight + out
+    lines["activations"] = np.where((grid.pp == 1) | v_shaped, first,
+                                    np.where(first >= last, first, act * cols["layers_head"] * last_in_flight))
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shaped | (last > first), out, 0.0)
     one_layer = llama_layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)

@@ -16,7 +16,7 @@ from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.layout import AC_MODES, PRECISIONS, Layout, LayoutGrid, Workload
 from scaletrain.plan.memory import MEMORY_LINES, memory_breakdown, total_bytes
 from scaletrain.plan.pipeline import SCHEDULES, schedule_index
-from scaletrain.plan.shapes import param_columns, params_per_rank
+from scaletrain.plan.shapes import layout_columns, params_per_rank
 from scaletrain.plan.steptime import TIME_LINES, peak_flops, step_seconds, time_breakdown
 
 DEFAULT_SCHEDULES = tuple(s.name for s in SCHEDULES[1:])
@@ -122,7 +122,7 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
                     continue
                 for ds in divisors(dp):
                     # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound
-                    if 16.0 * params_per_rank(args, t, p, ds)[0] > capacity:
+                    if 16.0 * params_per_rank(args, t, p, ds, work.seq_len)[0] > capacity:
                         continue
                     base.append((dp // ds, ds, t, p, c))
     if not base:
@@ -156,7 +156,7 @@ def search_layouts(work: Workload, cluster: Cluster, opts: SearchOptions | None 
     t0 = time.perf_counter()
     grid = enumerate_layouts(work, cluster, opts)
     if len(grid):
-        cols = param_columns(work.args, grid.tp, grid.pp, grid.dp_shard)
+        cols = layout_columns(work, grid)
         mem = memory_breakdown(work, grid, cluster, cols)
         tim = time_breakdown(work, grid, cluster, cols)
         mem_total, step = total_bytes(mem), step_seconds(tim)
@@ -175,7 +175,7 @@ def search_layouts(work: Workload, cluster: Cluster, opts: SearchOptions | None 
 def evaluate_layout(work: Workload, cluster: Cluster, layout: Layout) -> PlanRow:
     """Predictions for one given layout (fitting or not)."""
     grid = LayoutGrid.of([layout])
-    cols = param_columns(work.args, grid.tp, grid.pp, grid.dp_shard)
+    cols = layout_columns(work, grid)
     mem = memory_breakdown(work, grid, cluster, cols)
     tim = time_breakdown(work, grid, cluster, cols)
     res = PlanResult(work, cluster, [], 1, 0, 0.0, grid, total_bytes(mem), step_seconds(tim), mem, tim)

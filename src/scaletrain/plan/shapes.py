@@ -1,5 +1,5 @@
-"""The model as the planner counts it: parameter shapes per pipeline stage, parameters per rank after tensor and
-FSDP sharding, FLOPs per token. Derived from LlamaArgs without building anything."""
+"""The model as the planner counts it: parameters per rank after the trainer's pipeline split, tensor and FSDP
+sharding; FLOPs per token. Derived from LlamaArgs without building anything."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from scaletrain.models.llama import LlamaArgs
+from scaletrain.models.stages import rank_layers
 
-# how tensor parallelism shards each weight (torchtitan's Llama plan): colwise = dim 0, rowwise = dim 1;
-# embeddings are sharded on the vocabulary (dim 0); norms are replicated
-_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1, "tok_embeddings": 0, "output": 0}
+# how tensor parallelism shards each weight (parallel/tensor_parallel.py): colwise linears on dim 0, rowwise on
+# dim 1; the embedding on the hidden dim (1), the output layer on the vocabulary (0); norms are replicated
+_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1, "tok_embeddings": 1, "output": 0}
 
 
 def layer_param_shapes(args: LlamaArgs) -> list[tuple[str, tuple[int, ...]]]:
@@ -22,35 +23,13 @@ def layer_param_shapes(args: LlamaArgs) -> list[tuple[str, tuple[int, ...]]]:
             ("w1", (args.ffn_dim, h)), ("w2", (h, args.ffn_dim)), ("w3", (args.ffn_dim, h))]
 
 
-def stage_param_shapes(args: LlamaArgs, pp: int = 1, stage: int = 0) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter pipeline stage `stage` of `pp` owns (layers split evenly, the first stages
-    taking one more when L % pp != 0; embedding on the first stage, final norm and output on the last)."""
-    first, count = stage_layers(args.n_layers, pp, stage)
-    shapes = []
-    if stage == 0:
-        shapes.append(("tok_embeddings", (args.vocab_size, args.dim)))
-    for _ in range(count):
-        shapes.extend(layer_param_shapes(args))
-    if stage == pp - 1:
-        shapes += [("norm", (args.dim,)), ("output", (args.vocab_size, args.dim))]
-    return shapes
-
-
-def stage_layers(n_layers: int, pp: int, stage: int) -> tuple[int, int]:
-    """(first layer, number of layers) of pipeline stage `stage`."""
-    base, extra = divmod(n_layers, pp)
-    count = base + (1 if stage < extra else 0)
-    first = stage * base + min(stage, extra)
-    return first, count
-
-
 def _shard_rows(n: int, parts: int) -> int:
     """Rows rank 0 keeps when torch.chunk splits n rows into `parts` (FSDP2's dim-0 sharding; rank 0 is largest)."""
     return min(n, -(-n // parts))
 
 
 def local_numel(name: str, shape: tuple[int, ...], tp: int, dp_shard: int) -> int:
-    """Elements of one parameter on the largest rank after TP (torchtitan plan) and FSDP2 dim-0 sharding."""
+    """Elements of one parameter on the largest rank after TP (parallel/tensor_parallel.py) and FSDP2 dim-0 sharding."""
     dims = list(shape)
     tp_dim = _TP_DIM.get(name)
     if tp > 1 and tp_dim is not None and tp_dim < len(dims):
@@ -61,30 +40,26 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, dp_shard: int) -> in
 
 
 @lru_cache(maxsize=8192)
-def params_per_rank(args: LlamaArgs, tp: int, pp: int, dp_shard: int) -> tuple[int, int]:
-    """(parameter elements, parameter tensors) on the largest rank of the largest pipeline stage, after TP
-    (torchtitan's plan) and FSDP2's dim-0 sharding; exact for the ranks that hold the most."""
+def rank_params(args: LlamaArgs, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
+                stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[tuple[int, int], ...]:
+    """(parameter elements, parameter tensors) of each pipeline rank's largest data-parallel rank, after the
+    trainer's stage split (models/stages.py), TP (parallel/tensor_parallel.py) and FSDP2's dim-0 sharding."""
     layer = sum(local_numel(n, s, tp, dp_shard) for n, s in layer_param_shapes(args))
     n_layer_tensors = len(layer_param_shapes(args))
     emb = local_numel("tok_embeddings", (args.vocab_size, args.dim), tp, dp_shard)
     head = local_numel("norm", (args.dim,), tp, dp_shard) + local_numel("output", (args.vocab_size, args.dim), tp,
                                                                         dp_shard)
-    best = (0, 0)
-    for stage in {0, min(1, pp - 1), pp - 1}:
-        count = stage_layers(args.n_layers, pp, stage)[1]
-        numel, tensors = count * layer, count * n_layer_tensors
-        if stage == 0:
-            numel, tensors = numel + emb, tensors + 1
-        if stage == pp - 1:
-            numel, tensors = numel + head, tensors + 2
-        best = max(best, (numel, tensors))
-    return best
+    out = []
+    for layers, has_emb, has_head in rank_layers(args, seq_len or args.max_seq_len, pp, stages_per_rank, v_shaped):
+        out.append((layers * layer + has_emb * emb + has_head * head,
+                    layers * n_layer_tensors + has_emb + 2 * has_head))
+    return tuple(out)
 
 
-@lru_cache(maxsize=4096)
-def params_per_tp_rank(args: LlamaArgs, tp: int, pp: int) -> int:
-    """Parameter elements of the largest stage after TP only (what FSDP gathers, or DDP keeps whole)."""
-    return params_per_rank(args, tp, pp, 1)[0]
+def params_per_rank(args: LlamaArgs, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
+                    stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[int, int]:
+    """(parameter elements, parameter tensors) on the rank that holds the most; exact for that rank."""
+    return max(rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank, v_shaped))
 
 
 def layer_params(args: LlamaArgs) -> int:
@@ -124,25 +99,46 @@ def llama_args_for_params(n_params: float, vocab_size: int = 128256, seq_len: in
                      vocab_size=vocab_size, max_seq_len=seq_len, rope_theta=500000.0)
 
 
-def param_columns(args: LlamaArgs, tp, pp, dp_shard) -> dict:
-    """Per-layout parameter counts for equal-length arrays tp, pp, dp_shard:
-    n_local (elements on the largest rank), n_tensors, n_tp (elements of the largest stage after TP only),
-    layers (blocks on the largest stage), layer_tp (one block's elements after TP), root_tp (embedding, final norm
-    and output after TP)."""
+def param_columns(args: LlamaArgs, tp, pp, dp_shard, seq_len: int | None = None, stages_per_rank=1,
+                  v_shaped=False) -> dict:
+    """Per-layout counts for equal-length arrays (tp, pp, dp_shard, stages_per_rank, v_shaped), the stages split
+    as the trainer splits them:
+    n_local, n_tensors (parameter elements and tensors on the rank that holds the most), n_tp (that rank's elements
+    after TP only: what FSDP gathers or DDP all-reduces), layers (blocks on that rank), layers_first (blocks on
+    pipeline rank 0, which keeps the most micro-batches in flight), layers_head (blocks on the rank with the
+    output layer), layers_body (most blocks on a rank without the output layer; 0 if none), layer_tp (one block's
+    elements after TP), root_tp (embedding, final norm and output after TP)."""
     import numpy as np
 
-    keys = np.stack([np.asarray(tp), np.asarray(pp), np.asarray(dp_shard)], axis=1)
+    n = len(np.asarray(tp))
+    keys = np.stack([np.asarray(tp), np.asarray(pp), np.asarray(dp_shard),
+                     np.broadcast_to(np.asarray(stages_per_rank), n), np.broadcast_to(np.asarray(v_shaped), n)],
+                    axis=1).astype(np.int64)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    table = np.array([params_per_rank(args, int(t), int(p), int(d)) + (params_per_tp_rank(args, int(t), int(p)),
-                                                                        stage_layers(args.n_layers, int(p), 0)[1])
-                      for t, p, d in uniq], dtype=np.float64)
-    cols = table[inverse]
+    seq = seq_len or args.max_seq_len
+    rows = []
+    for t, p, d, v, shape in (map(int, k) for k in uniq):
+        v = v if p > 1 else 1
+        per_rank = rank_params(args, t, p, d, seq, v, bool(shape))
+        big = max(range(p), key=lambda r: per_rank[r])
+        layers = rank_layers(args, seq, p, v, bool(shape))
+        body = [lay for lay, _, head in layers if not head]
+        head_layers = next(lay for lay, _, head in layers if head)
+        rows.append(per_rank[big] + (rank_params(args, t, p, 1, seq, v, bool(shape))[big][0], layers[big][0],
+                                     layers[0][0], head_layers, max(body, default=0)))
+    cols = np.array(rows, dtype=np.float64)[inverse.reshape(-1)]
     tp_f = np.asarray(tp, dtype=np.float64)
     layer_tp = _layer_tp_lookup(args, tp_f)
     root = (local_numel("tok_embeddings", (args.vocab_size, args.dim), 1, 1) * 2 + args.dim) / tp_f
     return {"n_local": cols[:, 0], "n_tensors": cols[:, 1], "n_tp": cols[:, 2], "layers": cols[:, 3],
+            "layers_first": cols[:, 4], "layers_head": cols[:, 5], "layers_body": cols[:, 6],
             "layer_tp": layer_tp, "root_tp": root}
+
+
+def layout_columns(work, grid) -> dict:
+    """param_columns for a plan.layout.Workload and LayoutGrid (V schedules: ZBVZeroBubble, DualPipeV)."""
+    return param_columns(work.args, grid.tp, grid.pp, grid.dp_shard, work.seq_len, grid.virtual_stages,
+                         grid.schedule >= 5)
 
 
 def _layer_tp_lookup(args: LlamaArgs, tp_f):

@@ -22,7 +22,7 @@ from scaletrain.plan.shapes import (
     attention_flops_per_token_layer,
     matmul_flops_per_token_layer,
     output_flops_per_token,
-    param_columns,
+    layout_columns,
 )
 
 # unconfirmed estimate: elements read + written by one block's pointwise ops per token in forward, counted from
@@ -56,12 +56,11 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     """Seconds per optimizer step for every layout, one array per line of TIME_LINES (they add up to the step)."""
     args = work.args
     s = work.seq_len
-    cols = cols if cols is not None else param_columns(args, grid.tp, grid.pp, grid.dp_shard)
+    cols = cols if cols is not None else layout_columns(work, grid)
     e = np.asarray([ELEMENT_BYTES[p] for p in PRECISIONS], dtype=np.float64)[grid.precision]
     tp, pp, cp = (x.astype(np.float64) for x in (grid.tp, grid.pp, grid.cp))
     dps, dpr = grid.dp_shard.astype(np.float64), grid.dp_replicate.astype(np.float64)
     m = grid.accumulation.astype(np.float64)
-    layers = cols["layers"]
 
     r_mm = matmul_rate(cluster, grid.precision)
     r_attn = r_mm * cluster.gpu.attention_efficiency / cluster.gpu.matmul_efficiency
@@ -73,7 +72,10 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
                  + tok * attention_flops_per_token_layer(args, s) / tp / r_attn + pointwise_fwd)
     loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
-    compute_mb = 3.0 * (layers * layer_fwd + out_fwd)
+    # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
+    body, head = cols["layers_body"] * layer_fwd, cols["layers_head"] * layer_fwd + out_fwd
+    layers = np.where(body > head, cols["layers_body"], cols["layers_head"])  # blocks on the slowest rank
+    compute_mb = 3.0 * np.maximum(body, head)
     recompute_mb = np.select([grid.ac == 2, grid.ac == 1], [layers * layer_fwd, layers * pointwise_fwd], 0.0)
 
     # tensor parallel (sequence parallel): per block 2 all-gathers + 2 reduce-scatters forward, as many backward,
