@@ -107,6 +107,7 @@ class Run:
     rss_mib: list[float]  # peak RSS of each rank, by rank
     threads: set[int]
     stopped_in_teardown: bool = False
+    profiles: list[Path] = field(default_factory=list)  # rank 0's cProfile (--cprofile)
 
 
 def read_probe(folder: Path, launched_unix: float, log_every: int, nproc: int) -> Run:
@@ -136,6 +137,8 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
     to exit and is then stopped. Nothing measured happens after the last step, so such a run still counts."""
     probe = Path(tempfile.mkdtemp(dir=workdir, prefix=f"probe-{name}-"))
     env = {**env, "SCALETRAIN_BENCH_PROBE": str(probe)}
+    if a.cprofile:
+        env["SCALETRAIN_BENCH_CPROFILE"] = a.cprofile
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         launched = time.time()
@@ -160,6 +163,10 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
                            f"{log.read_text()[-3000:]}")
     run = read_probe(probe, launched, a.log_every, a.nproc)
     run.stopped_in_teardown = proc.returncode != 0
+    if a.cprofile:  # the probe folder goes with the work folder: keep rank 0's profile
+        a.profile_dir.mkdir(parents=True, exist_ok=True)
+        for f in probe.glob("rank0-*.pstats"):
+            run.profiles.append(Path(shutil.copy(f, a.profile_dir / f"{name}-{probe.name}.pstats")))
     return run
 
 
@@ -202,20 +209,23 @@ def table(rows: list[Row], a) -> list[str]:
     ref = {RUNNERS[r.name][0]: r for r in rows if r.name.startswith("scaletrain")}
     tokens = a.global_batch * a.seq_len
     head = "| runner | median step (ms) | tokens/s | start-up to step 1 (s) | peak RSS / rank (MiB) | " \
-           "scaletrain ÷ runner (step time) | target |"
+           "scaletrain ÷ runner (step time) | each rep | target |"
     if a.device == "cuda":
         head = head.replace(" | scaletrain", " | MFU | scaletrain")
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         s = ref.get(RUNNERS[r.name][0])
         ratio = "—" if r.name.startswith("scaletrain") or s is None else f"{s.step_s / r.step_s:.3f}"
+        # the runs of one rep are back to back: their ratio is free of the drift between reps
+        paired = "" if ratio == "—" else " ".join(f"{statistics.median(x.windows) / statistics.median(y.windows):.2f}"
+                                                  for x, y in zip(s.runs, r.runs))
         target = f"≤ {TARGET[r.name]:.2f}" if r.name in TARGET and s is not None else ""
         cells = [r.name, f"{r.step_s * 1e3:.1f}", f"{tokens / r.step_s:,.0f}", f"{r.startup_s:.1f}",
                  f"{r.rss_mib:,.0f}"]
         if a.device == "cuda":
             m = mfu(a, r.step_s)
             cells.append("n/a" if m is None else f"{m:.1%}")
-        out.append("| " + " | ".join(cells + [ratio, target]) + " |")
+        out.append("| " + " | ".join(cells + [ratio, paired, target]) + " |")
     return out
 
 
@@ -248,6 +258,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     ap.add_argument("--markdown", type=Path, help="also write the report (table, date, machine, command) here")
     ap.add_argument("--note", default="", help="a line for the report, e.g. what else ran on the machine")
+    ap.add_argument("--cprofile", metavar="A:B", help="cProfile every rank's main thread from the end of step A "
+                    "to the end of step B; rank 0's .pstats go to --profile-dir and the top functions per step are "
+                    "printed per runner (profiled steps are slower: read the profile, not the table)")
+    ap.add_argument("--profile-dir", type=Path, default=Path("peers-profile"), help="where --cprofile writes")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     if gpu:
@@ -271,7 +285,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.log_every = max(1, a.steps // 2)
     if a.global_batch % a.nproc:
         ap.error(f"--global-batch {a.global_batch} must be a multiple of --nproc {a.nproc}")
+    if a.cprofile:
+        try:
+            start, stop = (int(x) for x in a.cprofile.split(":"))
+        except ValueError:
+            ap.error(f"--cprofile: expected A:B, two step numbers (got {a.cprofile!r})")
+        if not 1 <= start < stop <= a.steps:
+            ap.error(f"--cprofile {a.cprofile}: need 1 <= A < B <= --steps {a.steps}")
     return a
+
+
+def print_profiles(rows: dict, a, top: int = 15) -> None:
+    """Rank 0's cProfile of every rep merged per runner: the functions with the most own time per step."""
+    import pstats
+
+    start, stop = (int(x) for x in a.cprofile.split(":"))
+    for name, row in rows.items():
+        files = [f for run in row.runs for f in run.profiles]
+        if not files:
+            print(f"\n{name}: no profile written (did rank 0 run steps {a.cprofile}?)")
+            continue
+        merged = a.profile_dir / f"{name}.pstats"
+        stats = pstats.Stats(*map(str, files))
+        stats.dump_stats(merged)
+        per_step = 1e3 / ((stop - start) * len(files))
+        entries = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+        print(f"\n{name}: rank 0, steps {start + 1}-{stop}, {len(files)} rep(s), own time ms/step "
+              f"(full profile: python -m pstats {merged})")
+        for (path, line, func), (_, calls, tottime, cumtime, _) in entries:
+            where = f"{Path(path).name}:{line}" if line else path
+            calls_per_step = calls / (len(files) * (stop - start))
+            print(f"  {tottime * per_step:8.2f}  {cumtime * per_step:8.2f} cum  {calls_per_step:7.1f}/step  {func}  "
+                  f"{where}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -296,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = table(list(rows.values()), a)
     print(title)
     print("\n".join(lines))
+    if a.cprofile:
+        print_profiles(rows, a)
     if a.markdown:
         write_report(a.markdown, title, lines, a, argv)
 
@@ -316,7 +363,8 @@ def write_report(path: Path, title: str, lines: list[str], a, argv: list[str] | 
         "**start-up** is from launching the runner's command to the end of step 1 on the last rank (median of "
         "reps); **peak RSS / rank** is the largest ru_maxrss of the rank processes (median of reps). "
         "**scaletrain ÷ runner** divides scaletrain's step time (same strategy) by the runner's: below 1 means "
-        "scaletrain is faster.", "",
+        "scaletrain is faster; **each rep** gives the same ratio for every rep alone (its two runs were back to "
+        "back), which shows how far the machine drifts between reps.", "",
     ]
     # hand-written notes (evidence for a ratio, a peer that could not run) survive a rerun
     old = path.read_text() if path.exists() else ""

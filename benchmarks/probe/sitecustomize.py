@@ -24,6 +24,7 @@ import sys
 import time
 
 _DIR = os.environ.get("SCALETRAIN_BENCH_PROBE")
+_PROFILE = os.environ.get("SCALETRAIN_BENCH_CPROFILE")
 _state: dict = {}
 
 
@@ -39,6 +40,24 @@ def _on_step(optimizer, args, kwargs) -> None:
                                          "threads": torch.get_num_threads()}) + "\n")
     if id(optimizer) == _state["id"]:
         _state["file"].write(f"[{now}, {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}]\n")
+        if _PROFILE:
+            _profile_window(_state.setdefault("steps", 0) + 1)
+            _state["steps"] += 1
+
+
+def _profile_window(step: int) -> None:
+    """With SCALETRAIN_BENCH_CPROFILE=A:B, cProfile the main thread from the end of step A to the end of step B
+    and write DIR/rank<RANK>-<pid>.pstats (for `python benchmarks/peers.py --cprofile A:B`)."""
+    import cProfile
+
+    start, stop = (int(x) for x in _PROFILE.split(":"))
+    if step == start:
+        _state["profile"] = cProfile.Profile()
+        _state["profile"].enable()
+    elif step == stop and "profile" in _state:
+        _state["profile"].disable()
+        rank = int(os.environ.get("RANK", -1))
+        _state["profile"].dump_stats(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.pstats"))
 
 
 class _HookOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
