@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletrain.hardware import GPUS, LINKS, detect_host, get_gpu, load_calibration, make_cluster
+from scaletrain.hardware import GPUS, LINKS, apply_calibration, detect_host, get_gpu, load_calibration, make_cluster
 from scaletrain.hardware.calibration import Calibration, CalibrationError, save_calibration
 
 
@@ -47,10 +47,15 @@ def test_detect_host_is_honest():
 
 
 def test_calibration_round_trip_and_errors(tmp_path):
-    cal = Calibration("cpu", "box", 2, 1e11, "float32", 2e10, 1e9, 16e9, torch.__version__)
+    cal = Calibration("cpu", "box", 2, 1e11, "float32", 2e10, 1e9, 16e9, torch.__version__, 4e-6)
     path = tmp_path / "cal.toml"
     save_calibration(cal, path)
     assert load_calibration(path) == cal
+    old = tmp_path / "old.toml"  # written before bench measured the dispatch overhead: still loads
+    old.write_text("\n".join(line for line in path.read_text().splitlines() if "op_overhead_s" not in line))
+    assert load_calibration(old).op_overhead_s is None
+    assert apply_calibration(make_cluster("cpu", 2), load_calibration(old)).op_overhead_s == 4e-6  # catalog's
+    assert apply_calibration(make_cluster("cpu", 2), cal).measured_op_overhead_s == 4e-6
     path.write_text(path.read_text().replace("matmul_flops = ", "matmul_flops = -"))
     with pytest.raises(CalibrationError, match="matmul_flops: must be a positive number"):
         load_calibration(path)

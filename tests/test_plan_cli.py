@@ -115,7 +115,10 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     p = subprocess.run([sys.executable, "-m", "scaletrain.cli.main", "bench", "-o", str(cal), "--size-mb", "1",
                         "--matmul-n", "256"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "all-reduce busbw" in p.stdout and cal.is_file()
+    assert "all-reduce busbw" in p.stdout and "per dispatched op" in p.stdout and cal.is_file()
+    from scaletrain.hardware.calibration import load_calibration
+
+    assert 0 < load_calibration(cal).op_overhead_s < 1e-3  # seconds per op: microseconds, not milliseconds
     r = run(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--calibration", str(cal),
              "--seq-len", "256", "--global-batch", "16", "--json"])
     assert r.exit_code == 0, r.output

@@ -211,3 +211,56 @@ def test_ring_collectives_over_the_links_they_cross():
     assert t == pytest.approx(7 / 8 * S / c.inter_bw_per_gpu + 7 * c.inter_link.latency_s)
     assert group_placement(16, 1, 8) == (8, 2)  # TP 16 spans two nodes
     assert c.inter_bw_per_gpu == pytest.approx(400e9 / 8 * 0.8)  # one 400 Gb/s NDR port per GPU
+
+
+def _dispatched_ops(preset: str, ac: str) -> tuple[int, int]:
+    """(forward incl. loss, backward) ATen ops of the built-in model as the trainer wraps it for `ac`."""
+    from scaletrain.hardware.bench import count_dispatched_ops
+    from scaletrain.models import PRESETS, build_model, init_weights
+    from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    args = PRESETS[preset]
+    model = build_model(args, "meta").to_empty(device="cpu")
+    init_weights(model, args, seed=0)
+    if ac != "none":
+        apply_activation_checkpointing(model, ac, "op", 2)
+    x = torch.randint(0, args.vocab_size, (2, 64))
+    held = {}
+
+    def forward():
+        held["loss"] = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten(), reduction="sum")
+
+    return count_dispatched_ops(forward), count_dispatched_ops(lambda: held["loss"].backward())
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_op_counts_per_block_are_what_the_built_model_dispatches(ac):
+    from scaletrain.models import PRESETS
+    from scaletrain.plan.steptime import OPS_PER_BLOCK, OPS_ROOT
+
+    tiny, small = _dispatched_ops("tiny", ac), _dispatched_ops("small", ac)  # 4 and 8 blocks
+    extra = PRESETS["small"].n_layers - PRESETS["tiny"].n_layers
+    per_block = tuple((s - t) // extra for s, t in zip(small, tiny))
+    assert per_block == OPS_PER_BLOCK[ac]
+    assert tuple(t - PRESETS["tiny"].n_layers * b for t, b in zip(tiny, per_block)) == OPS_ROOT
+
+
+def test_dispatch_overhead_is_paid_per_micro_batch_on_cpu_and_hidden_on_big_gpu_work():
+    from scaletrain.models import PRESETS
+    from scaletrain.plan import Layout, Workload, evaluate_layout
+    from scaletrain.plan.steptime import OPS_PER_BLOCK, OPS_ROOT
+
+    cpu = make_cluster("cpu", 2, gpus_per_node=2)
+    work = Workload("tiny", PRESETS["tiny"], 256, 16)
+    one = evaluate_layout(work, cpu, Layout(2, 1, 1, 1, 1, 8, 1, "none", "fp32", "none"))
+    eight = evaluate_layout(work, cpu, Layout(2, 1, 1, 1, 1, 1, 8, "none", "fp32", "none"))
+    ops = PRESETS["tiny"].n_layers * sum(OPS_PER_BLOCK["none"]) + sum(OPS_ROOT)
+    assert eight.time["op dispatch"] == pytest.approx(8 * ops * cpu.op_overhead_s)
+    assert eight.step_s - one.step_s == pytest.approx(7 * ops * cpu.op_overhead_s, rel=1e-6)
+    # a GPU dispatches ahead of its kernels: nothing shows for an 8B model, the host shows for a tiny one
+    h100 = make_cluster("h100-sxm", 8)
+    big = evaluate_layout(Workload("llama-8b", PRESETS["llama-8b"], 8192, 8),
+                          h100, Layout(1, 8, 1, 1, 1, 1, 1, "full", "bf16", "none"))
+    small = evaluate_layout(Workload("tiny", PRESETS["tiny"], 64, 8), h100,
+                            Layout(8, 1, 1, 1, 1, 1, 1, "none", "bf16", "none"))
+    assert big.time["op dispatch"] == 0.0 and small.time["op dispatch"] > 0.0

@@ -364,5 +364,6 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
     save_calibration(cal, tmp)
     tmp.replace(out)  # written whole or not at all
     click.echo(f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
-               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
+               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {cal.op_overhead_s * 1e6:.1f} us per dispatched op, "
+               f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
                f"over {cal.ranks} ranks -> {output}")

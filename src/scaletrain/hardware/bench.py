@@ -1,4 +1,5 @@
-"""Measuring this host: matmul FLOP/s, copy bandwidth, and all-reduce bus bandwidth between local ranks.
+"""Measuring this host: matmul FLOP/s, copy bandwidth, host time per dispatched op, and all-reduce bus bandwidth
+between local ranks.
 
 The all-reduce runs through torch.distributed on a few local processes (gloo on CPUs, NCCL on GPUs), started with
 torch.multiprocessing and meeting on 127.0.0.1; bus bandwidth follows nccl-tests: algbw x 2(n-1)/n.
@@ -42,6 +43,45 @@ def measure_memory_bw(nbytes: int = 64 * 2**20, device: str = "cpu", repeats: in
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     return 2.0 * nbytes / _timed(lambda: dst.copy_(src), repeats)
+
+
+def count_dispatched_ops(fn) -> int:
+    """Number of ATen ops `fn()` dispatches (forward and autograd's backward alike), counted by a
+    TorchDispatchMode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count() as counter:
+        fn()
+    return counter.n
+
+
+def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int = 20) -> float:
+    """Host seconds per dispatched op: forward + backward of the built-in `tiny` model on 8 tokens, where the
+    kernels are too small to matter, divided by the ops it dispatches (the planner's OPS_PER_BLOCK count)."""
+    import torch.nn.functional as F
+
+    from scaletrain.models import PRESETS, build_model, init_weights
+
+    args = PRESETS["tiny"]
+    model = build_model(args, "meta").to_empty(device=device)
+    init_weights(model, args, seed=0)
+    tokens = torch.randint(0, args.vocab_size, (1, 8), device=device)
+
+    def step() -> None:
+        logits = model(tokens)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
+        model.zero_grad(set_to_none=True)
+
+    ops = count_dispatched_ops(step)
+    seconds = _timed(lambda: [step() for _ in range(iterations)], repeats)
+    return seconds / (iterations * ops)
 
 
 def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, backend: str, out) -> None:
@@ -103,8 +143,9 @@ def run_bench(nproc: int = 2, matmul_n: int = 1024, allreduce_bytes: int = 16 * 
     dtype = torch.bfloat16 if on_gpu else torch.float32
     flops = measure_matmul_flops(matmul_n, dtype, device)
     mem_bw = measure_memory_bw(device=device)
+    op_s = measure_op_overhead(device)
     busbw = measure_allreduce_busbw(nproc, allreduce_bytes)
     memory = float(host.gpu_memory_bytes[0]) if on_gpu else host.memory_bytes
     return Calibration(device=host.catalog_gpu, host=host.hostname, ranks=nproc, matmul_flops=flops,
                        matmul_dtype=str(dtype).removeprefix("torch."), memory_bw=mem_bw, allreduce_busbw=busbw,
-                       memory_bytes=memory, torch_version=torch.__version__)
+                       memory_bytes=memory, torch_version=torch.__version__, op_overhead_s=op_s)

@@ -27,6 +27,7 @@ class Calibration:
     allreduce_busbw: float  # bytes/s, nccl-tests convention: algbw x 2(n-1)/n
     memory_bytes: float | None  # device memory (host RAM on a CPU host), bytes
     torch_version: str
+    op_overhead_s: float | None = None  # host seconds per dispatched op of the built-in block (older files: none)
 
     def to_toml(self) -> str:
         body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -51,11 +52,11 @@ def load_calibration(path: str | Path) -> Calibration:
     unknown = sorted(set(tree) - set(names))
     if unknown:
         raise CalibrationError(f"{where}: {unknown[0]}: unknown key; valid keys: {', '.join(names)}")
-    missing = [n for n in names if n not in tree and n != "memory_bytes"]
+    missing = [n for n in names if n not in tree and n not in ("memory_bytes", "op_overhead_s")]
     if missing:
         raise CalibrationError(f"{where}: {missing[0]}: missing; rerun `scaletrain bench`")
-    for key in ("matmul_flops", "memory_bw", "allreduce_busbw"):
-        if not isinstance(tree[key], (int, float)) or tree[key] <= 0:
+    for key in ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s"):
+        if key in tree and (not isinstance(tree[key], (int, float)) or tree[key] <= 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
     return Calibration(**{k: tree.get(k) for k in names})
 
@@ -68,4 +69,5 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
     return dataclasses.replace(
         cluster, measured_matmul_flops=cal.matmul_flops, measured_busbw=cal.allreduce_busbw,
         measured_memory_bw=cal.memory_bw, measured_memory_bytes=cal.memory_bytes,
+        measured_op_overhead_s=cal.op_overhead_s,
         calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)")

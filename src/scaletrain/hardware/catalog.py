@@ -41,6 +41,9 @@ class GPUSpec:
     # share of overlappable communication (FSDP gathers, gradient reductions) that hides behind compute: NCCL
     # runs on its own SMs and copy engines; gloo on a CPU host runs on the cores the compute ops need
     comm_overlap: float = 1.0
+    # host time to dispatch one eager PyTorch op (Python, dispatcher, kernel launch), seconds; a GPU hides it behind
+    # kernels that run longer, a CPU pays it in line. unconfirmed typical figure; `scaletrain bench` measures it
+    op_overhead_s: float = 6e-6
 
     def is_unconfirmed(self, figure: str) -> bool:
         return UNCONFIRMED in self.sources.get(figure, UNCONFIRMED)
@@ -118,7 +121,7 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
                        "attention_efficiency", "price")}
             | {"comm_overlap": "gloo's collectives run on CPU threads that compete with compute for the same cores, "
                                "so none hides behind it (benchmarks/layouts.py: ddp4 beats fsdp4 on 4 CPU ranks)"},
-            comm_overlap=0.0),
+            comm_overlap=0.0, op_overhead_s=4e-6),
 )}
 
 _NVL_EFF = "formulas.md: measured all-reduce busbw 8xA100 NVLink3 ~235 of 300 GB/s [T]"

@@ -102,6 +102,7 @@ class Cluster:
     measured_busbw: float | None = None
     measured_memory_bw: float | None = None
     measured_memory_bytes: float | None = None
+    measured_op_overhead_s: float | None = None
     calibration_note: str = ""
 
     @property
@@ -116,6 +117,11 @@ class Cluster:
     @property
     def memory_bw(self) -> float:
         return self.measured_memory_bw or self.gpu.memory_bw
+
+    @property
+    def op_overhead_s(self) -> float:
+        """Host seconds to dispatch one eager op (GPUSpec.op_overhead_s unless measured)."""
+        return self.measured_op_overhead_s or self.gpu.op_overhead_s
 
     @property
     def intra_bw(self) -> float:

@@ -6,7 +6,9 @@ full checkpointing re-runs the forward of every block, selective re-runs the poi
 Communication per micro-batch and per step from message sizes over the link each mesh dim crosses (comm.py);
 FSDP gathers and DDP/FSDP gradient reductions overlap with compute (only what sticks out counts) as far as the
 device lets them (GPUSpec.comm_overlap: NCCL fully, gloo on CPUs not at all); each FSDP unit and DDP bucket pays
-the collective latency once. TP and PP traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble ratio (pipeline.py).
+the collective latency once. TP and PP traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble
+ratio (pipeline.py). Every micro-batch also pays the host's dispatch of its eager ops (OPS_PER_BLOCK x
+Cluster.op_overhead_s): in line on a CPU, on a GPU only where it outlasts the kernels.
 """
 
 from __future__ import annotations
@@ -33,8 +35,14 @@ POINTWISE_ELEMENTS_H, POINTWISE_ELEMENTS_FFN = 40.0, 6.0
 # copy, log-softmax, and the gradients of each)
 LOSS_BYTES_PER_VOCAB = 24.0
 ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
+# eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
+# the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
+# counts them again with a TorchDispatchMode); checkpointed blocks re-run their forward inside backward
+OPS_PER_BLOCK = {"none": (96, 152), "selective": (102, 298), "full": (93, 305)}
+OPS_ROOT = (17, 34)
 
-TIME_LINES = ("compute", "recompute", "tp comm", "cp comm", "pp p2p", "dp comm exposed", "bubble", "optimizer")
+TIME_LINES = ("compute", "recompute", "op dispatch", "tp comm", "cp comm", "pp p2p", "dp comm exposed", "bubble",
+              "optimizer")
 
 
 def peak_flops(cluster: Cluster, precision) -> np.ndarray:
@@ -129,12 +137,20 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
                         np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0)
 
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
+    # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
+    # host falls behind the kernels (small models, small micro-batches)
+    ops = np.select([grid.ac == 2, grid.ac == 1], [sum(OPS_PER_BLOCK["full"]), sum(OPS_PER_BLOCK["selective"])],
+                    sum(OPS_PER_BLOCK["none"]))
+    dispatch = (layers * ops + sum(OPS_ROOT)) * cluster.op_overhead_s
+    dispatch_mb = dispatch if cluster.gpu.name == "cpu" else np.maximum(0.0, dispatch - mb)
+    mb = mb + dispatch_mb
     ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)
     optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / bw
 
     return {
         "compute": m * compute_mb,
         "recompute": m * recompute_mb,
+        "op dispatch": m * dispatch_mb,
         "tp comm": m * tp_mb,
         "cp comm": m * cp_mb,
         "pp p2p": m * pp_mb,
