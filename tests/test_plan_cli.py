@@ -97,6 +97,8 @@ def test_impossible_requests_fail_in_one_line(args, message):
     ('gpu = "h100-sxm"\ngpus_per_node = 8\ninter_node_link = "nvlink4"\n', "intra_node_link/inter_node_link"),
     ('gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
      'power_w = 300\n', "gpu_types.x.source"),
+    ('gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
+     'power_w = 300\nsource = "me"\nmemroy_gb = 1\n', "gpu_types.x.memroy_gb: unknown key; valid keys here: memory_gb"),
 ])
 def test_bad_cluster_files(tmp_path, text, message):
     f = tmp_path / "c.toml"

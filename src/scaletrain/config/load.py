@@ -6,11 +6,12 @@ Errors a user can cause become one `ConfigError` line naming the field and the f
 from __future__ import annotations
 
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from scaletrain.config.schema import JobConfig
 
@@ -19,16 +20,29 @@ class ConfigError(ValueError):
     """A job config a user wrote is wrong; the message is one line naming the field."""
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class a validation error's location (minus its last part) points into, through nested models and
+    dict-of-model fields; None where the path leaves models."""
+    current: Any = root
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel) and str(part) in current.model_fields:
+            current = current.model_fields[str(part)].annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]  # `part` is a key of the dict
+        else:
+            return None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def validation_error_line(err: ValidationError, root: type[BaseModel] = JobConfig, where: str = "config") -> str:
+    """A pydantic ValidationError of `root` as one line: the dotted field, what is wrong, the value given, and for
+    unknown keys the valid ones (shared by job configs and cluster files)."""
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "config"
-    kind = first["type"]
-    if kind == "extra_forbidden":
-        section = JobConfig
-        for part in first["loc"][:-1]:
-            section = section.model_fields[str(part)].annotation
-        valid = ", ".join(section.model_fields)
-        return f"{field}: unknown key; valid keys here: {valid}"
+    field = ".".join(str(p) for p in first["loc"]) or where
+    if first["type"] == "extra_forbidden":
+        section = _section_at(root, first["loc"][:-1])
+        valid = f"; valid keys here: {', '.join(section.model_fields)}" if section is not None else ""
+        return f"{field}: unknown key{valid}"
     msg = first["msg"]
     if msg.startswith("Value error, "):
         msg = msg.removeprefix("Value error, ")
@@ -88,7 +102,7 @@ def validate_config(tree: dict[str, Any]) -> JobConfig:
     try:
         return JobConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(validation_error_line(e)) from None
 
 
 def to_toml(cfg: JobConfig) -> str:

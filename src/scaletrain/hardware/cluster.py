@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from scaletrain.config.load import validation_error_line
 from scaletrain.hardware.catalog import GB, TB, TFLOPS, GPUSpec, LinkSpec, get_gpu, get_link
 
 # Data-centre overheads: placeholders, not datasheet figures (formulas.md has none); a cluster file overrides them.
@@ -195,17 +196,6 @@ def _custom_link(name: str, e: LinkEntry) -> LinkSpec:
                     {"bandwidth": src, "efficiency": src, "latency": src})
 
 
-def _validation_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "file"
-    if first["type"] == "extra_forbidden":
-        return f"{field}: unknown key; valid keys: {', '.join(ClusterFile.model_fields)}" \
-            if len(first["loc"]) == 1 else f"{field}: unknown key"
-    got = first.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{field}: {first['msg'][0].lower()}{first['msg'][1:]}{shown}"
-
-
 def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
     """Read a TOML cluster file; `gpus` (default: all of it) takes part of it. ClusterFileError: one line."""
     p = Path(path)
@@ -221,7 +211,7 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
     try:
         f = ClusterFile.model_validate(tree)
     except ValidationError as e:
-        raise ClusterFileError(f"{where}: {_validation_line(e)}") from None
+        raise ClusterFileError(f"{where}: {validation_error_line(e, ClusterFile, 'file')}") from None
     gpus_defined = {n.lower(): _custom_gpu(n.lower(), e) for n, e in f.gpu_types.items()}
     links_defined = {n.lower(): _custom_link(n.lower(), e) for n, e in f.links.items()}
     total = f.gpus_per_node * f.nodes
