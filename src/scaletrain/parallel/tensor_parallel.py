@@ -2,9 +2,10 @@
 
 Attention q/k/v and MLP up/gate projections are split by output column, attention output and MLP down projections
 by input row, so one block costs two all-reduces forward (or, with sequence parallelism, an all-gather before and
-a reduce-scatter after each half, with norms and residuals kept as sequence shards). The embedding is split by
-vocabulary row, the output layer by vocabulary column; with loss parallelism the cross-entropy runs on the
-vocabulary shards and the full logits are never gathered.
+a reduce-scatter after each half, with norms and residuals kept as sequence shards). The embedding is split along
+the hidden dim (a vocabulary split would get a full-size gradient back on every rank), the output layer by
+vocabulary column; with loss parallelism the cross-entropy runs on the vocabulary shards and the full logits are
+never gathered.
 
 Two plans: the hand-written one for the built-in Llama (`llama_tp_plan`), and `auto_tp_plan` for any standard
 decoder (Hugging Face Llama, Mistral, Qwen ...), which finds each block's linears by structure.
@@ -106,7 +107,7 @@ def _split_group(linears: list[tuple[str, nn.Linear]], hidden: int) -> tuple[lis
 def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
     """A TP plan found by structure for any standard decoder: in every block, each module holding several
     nn.Linear (attention, MLP) gets its hidden-reading projections column-split and its hidden-writing
-    projection row-split; embeddings outside the blocks are split by vocabulary row and linears reading the
+    projection row-split; embeddings outside the blocks are split along the hidden dim and linears reading the
     hidden state outside them (the output head) by column, both with whole outputs, so every matrix is a DTensor
     (the optimizer's foreach kernels cannot mix them with plain tensors). Raises ValueError if no block matches."""
     from torch.distributed.tensor import Replicate
