@@ -37,8 +37,10 @@ def explain_top(result: PlanResult) -> list[str]:
     out = [f"{lay.describe()}: {top.step_s:.3g} s per step, {top.tokens_per_s:,.0f} tokens/s, MFU {top.mfu:.0%}."]
     out.append(f"Memory {_gb(top.memory_total)} of {_gb(c.memory_bytes)} per GPU; largest: {_largest_lines(top)}.")
     compute = (top.time["compute"] + top.time["recompute"]) / top.step_s
+    dispatch = top.time["op dispatch"] / top.step_s
+    host = f", host op dispatch {dispatch:.0%}" if dispatch >= 0.005 else ""
     out.append(f"Compute is {compute:.0%} of the step, exposed communication {top.comm_share:.0%}, "
-               f"pipeline bubble {top.bubble_share:.0%}.")
+               f"pipeline bubble {top.bubble_share:.0%}{host}.")
     if lay.dp_shard > 1 and lay.accumulation > 1:
         out.append(f"FSDP2 keeps unsharded fp32 gradients while accumulating {lay.accumulation} micro-batches "
                    f"({_gb(top.memory['gradients'])}); reducing every micro-batch would free most of it.")
