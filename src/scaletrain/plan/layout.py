@@ -89,8 +89,8 @@ class Layout:
     def to_overrides(self) -> str:
         """The job-config overrides that run this layout (`scaletrain train CONFIG.toml <these>`).
 
-        Keys beyond today's schema (parallel.cp, parallel.pp_schedule, parallel.activation_checkpoint) are
-        emitted for the trainer work in progress; tp/pp > 1 need that work too.
+        parallel.cp has no trainer behind it yet (the config refuses it); `--plan auto` never searches cp > 1.
+        Stages per rank are the schedule's default (parallel.pp_stages_per_rank), as the planner assumes.
         """
         out = [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
                f"parallel.tp={self.tp}", f"parallel.pp={self.pp}"]
