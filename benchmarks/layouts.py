@@ -93,21 +93,28 @@ def parse_run_arguments(ap: argparse.ArgumentParser) -> argparse.Namespace:
     a = ap.parse_args()
     if a.steps < 2 * a.log_every:
         a.log_every = max(1, a.steps // 2)
+    known = layouts(a.nproc)
+    unknown = [n for n in a.only.split(",") if n and n not in known]
+    if unknown:
+        ap.error(f"--only: unknown layout {unknown[0]!r} for {a.nproc} ranks; choose from {', '.join(known)}")
     return a
+
+
+def measured_runs(a: argparse.Namespace):
+    """Run every layout (or those --only names) in a scratch folder; yields (overrides, result row) as each ends."""
+    chosen = {k: v for k, v in layouts(a.nproc).items() if not a.only or k in a.only.split(",")}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, over in chosen.items():
+            r = run(name, over, a, Path(tmp))
+            print(f"  {name}: done", file=sys.stderr, flush=True)
+            yield over, r
 
 
 def main() -> None:
     ap = run_arguments(__doc__)
     ap.add_argument("--json", default="", help="also write the rows to this file")
     a = parse_run_arguments(ap)
-    todo = layouts(a.nproc)
-    if a.only:
-        todo = {k: v for k, v in todo.items() if k in a.only.split(",")}
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, over in todo.items():
-            rows.append(run(name, over, a, Path(tmp)))
-            print(f"  {name}: done", file=sys.stderr, flush=True)
+    rows = [r for _, r in measured_runs(a)]
     print(f"model {a.model}, {a.nproc} CPU ranks (gloo, fp32), {a.steps} steps x {a.global_batch} x {a.seq_len} "
           f"tokens; median step over logging windows after the first")
     print(f"{'layout':<18}{'step (ms)':>11}{'tokens/s':>11}{'loss':>8}  overrides / why not")

@@ -10,12 +10,11 @@ is what counts); with a `scaletrain bench` file its compute and all-reduce figur
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from layouts import layouts, parse_run_arguments, run, run_arguments  # noqa: E402  (benchmarks/layouts.py's measurement)
+from layouts import measured_runs, parse_run_arguments, run_arguments  # noqa: E402  (benchmarks/layouts.py's measurement)
 
 from scaletrain.hardware import apply_calibration, load_calibration, make_cluster  # noqa: E402
 from scaletrain.models import PRESETS  # noqa: E402
@@ -40,17 +39,11 @@ def main() -> None:
     if a.calibration:
         cluster = apply_calibration(cluster, load_calibration(a.calibration))
     work = Workload(a.model, PRESETS[a.model], a.seq_len, a.global_batch)
-    todo = layouts(a.nproc)
-    if a.only:
-        todo = {k: v for k, v in todo.items() if k in a.only.split(",")}
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, over in todo.items():
-            r = run(name, over, a, Path(tmp))
-            print(f"  {name}: done", file=sys.stderr, flush=True)
-            if "step_time_s" in r:
-                r["predicted_s"] = evaluate_layout(work, cluster, planned_layout(over, a.global_batch)).step_s
-                rows.append(r)
+    for over, r in measured_runs(a):
+        if "step_time_s" in r:
+            r["predicted_s"] = evaluate_layout(work, cluster, planned_layout(over, a.global_batch)).step_s
+            rows.append(r)
     if not rows:
         sys.exit("no layout ran")
     print(f"model {a.model}, {a.nproc} CPU ranks, {a.steps} steps x {a.global_batch} x {a.seq_len} tokens; planner "

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from scaletrain.launch.counts import check_rank_counts
+
 CONFIG_MOUNT = "/etc/scaletrain"
 RUNS_MOUNT = "/scaletrain/runs"  # where a --pvc volume is mounted; run.output_dir points here then
 CONTAINER = "pytorch"            # the container name the training operator looks for in a PyTorchJob
@@ -72,16 +74,7 @@ def check_options(opts: K8sOptions) -> None:
     """Refuse bad input before anything is built: ManifestError with one line naming the option."""
     from kubernetes.utils import parse_quantity
 
-    if opts.nodes < 1:
-        raise ManifestError(f"--nodes: must be at least 1 (got {opts.nodes})")
-    if opts.gpus_per_node < 0:
-        raise ManifestError(f"--gpus-per-node: must be 0 (CPU ranks) or more (got {opts.gpus_per_node})")
-    if opts.nproc_per_node < 0:
-        raise ManifestError(f"--nproc-per-node: must be at least 1, or 0 for one rank per GPU "
-                            f"(got {opts.nproc_per_node})")
-    if opts.gpus_per_node and opts.nproc_per_node > opts.gpus_per_node:
-        raise ManifestError(f"--nproc-per-node: {opts.nproc_per_node} ranks on {opts.gpus_per_node} GPUs per pod; "
-                            f"use at most one rank per GPU")
+    check_rank_counts(opts.nodes, opts.gpus_per_node, opts.nproc_per_node, "pod", ManifestError)
     first, slash, _ = opts.image.partition("/")
     # as docker reads it: the first part names a registry only with a '.' or ':' in it, or as localhost
     bad_first = slash and not ("." in first or ":" in first or first == "localhost") and first != first.lower()

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scaletrain.launch.counts import check_rank_counts
+
 try:  # the trainer's "requeue me" exit code
     from scaletrain.train.preemption import EXIT_REQUEUE
 except ImportError:  # until the preemption module lands: EX_TEMPFAIL from sysexits.h
@@ -78,15 +80,7 @@ def time_limit_seconds(text: str) -> int | None:
 
 def check_options(opts: SlurmOptions) -> None:
     """Refuse bad input before anything is written: ValueError with one line naming the option."""
-    if opts.nodes < 1:
-        raise ValueError(f"--nodes: must be at least 1 (got {opts.nodes})")
-    if opts.gpus_per_node < 0:
-        raise ValueError(f"--gpus-per-node: must be 0 (CPU ranks) or more (got {opts.gpus_per_node})")
-    if opts.nproc_per_node < 0:
-        raise ValueError(f"--nproc-per-node: must be at least 1, or 0 for one rank per GPU (got {opts.nproc_per_node})")
-    if opts.gpus_per_node and opts.nproc_per_node > opts.gpus_per_node:
-        raise ValueError(f"--nproc-per-node: {opts.nproc_per_node} ranks on {opts.gpus_per_node} GPUs per node; "
-                         f"use at most one rank per GPU")
+    check_rank_counts(opts.nodes, opts.gpus_per_node, opts.nproc_per_node, "node")
     if opts.cpus_per_node is not None and opts.cpus_per_node < 1:
         raise ValueError(f"--cpus-per-node: must be at least 1 (got {opts.cpus_per_node})")
     if opts.signal_lead_s < 1:
