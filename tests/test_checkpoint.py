@@ -110,28 +110,80 @@ def test_preempt_then_resume_on_another_layout_and_world_size(clean):
     assert abs(val_losses(run)[-1] - val_losses(ref)[-1]) <= 1e-5
 
 
-def test_corrupt_newest_and_crashed_save_fall_back(clean):
+class _Payload:
+    """Unpickling this runs a shell command: what a crafted DCP `.metadata` can do to torch's plain pickle.load."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant_pickle(ckpt: Path, marker: Path) -> None:
+    """Rewrite ckpt/.metadata to run a command when unpickled, and its manifest entry to match, as someone who
+    can write the folder could."""
+    import pickle
+
+    from scaletrain.checkpoint.manifest import sha256_file
+
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: trusted here
+    meta.planner_data = _Payload(marker)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][".metadata"] = {"bytes": (ckpt / ".metadata").stat().st_size,
+                                      "sha256": sha256_file(ckpt / ".metadata")}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_corrupt_and_crafted_checkpoints_are_refused_and_work_is_not_lost(clean):
+    """Newest checkpoint corrupted (a flipped byte), the one before it carrying a pickle that runs a command, a
+    save that crashed before committing: verify, ls and export refuse them without running anything; resume sets
+    both aside, falls back to the last good one, and saves the retrained steps (the final one verifies and equals
+    the clean run's bit for bit)."""
     cwd, ref = clean
     run = cwd / "runs/damaged"
-    shutil.copytree(ref / "checkpoints", run / "checkpoints")
-    newest = run / "checkpoints" / f"step_{STEPS:08d}"
+    ckpts = run / "checkpoints"
+    shutil.copytree(ref / "checkpoints", ckpts)
+    newest = ckpts / f"step_{STEPS:08d}"
     shard = sorted(newest.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))  # same size, one flipped byte
-    (run / "checkpoints" / f"step_{STEPS + 10:08d}.partial").mkdir()  # a save that crashed before committing
+    crafted = ckpts / f"step_{STEPS - 10:08d}"
+    marker = cwd / "PWNED"
+    _plant_pickle(crafted, marker)
+    (ckpts / f"step_{STEPS + 10:08d}.partial").mkdir()  # a save that crashed before committing
 
     proc = run_cli(["ckpt", "verify", str(run)], cwd, check=False)
     assert proc.returncode == 1
     assert f"step_{STEPS:08d}: BAD: {shard.name} fails its sha256 checksum" in proc.stdout
+    assert f"step_{STEPS - 10:08d}: BAD: step_{STEPS - 10:08d}/.metadata: refuses to unpickle posix.system" \
+        in proc.stdout, proc.stdout
     listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
-    assert "incomplete" in listing and "complete" in listing
+    assert "incomplete" in listing and "sizes ok, not verified" in listing
+    listing = run_cli(["ckpt", "ls", "--verify", str(run)], cwd).stdout
+    assert "fails its sha256" in listing and "refuses to unpickle" in listing and "verified (sha256" in listing
+    proc = run_cli(["ckpt", "export", str(crafted), "--out", str(cwd / "exported")], cwd, check=False)
+    assert proc.returncode == 2 and "refuses to unpickle posix.system" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2  # "skipping ..." and the one-line error
+    assert not (cwd / "exported").exists()
+    assert not marker.exists()
 
     proc = run_cli(["train", *JOB, "run.name=damaged"], cwd)
-    assert f"skipping step_{STEPS:08d}" in proc.stderr
-    assert f"step_{STEPS - 10:08d} at step {STEPS - 10}" in proc.stderr
-    assert not (run / "checkpoints" / f"step_{STEPS + 10:08d}.partial").exists()
-    assert losses(run) == losses(ref)[STEPS - 10:]  # only the replayed steps were logged in this run
+    assert f"skipping step_{STEPS:08d}" in proc.stderr and "set aside as" in proc.stderr
+    assert f"skipping step_{STEPS - 10:08d}" in proc.stderr and "refuses to unpickle" in proc.stderr
+    assert f"step_{STEPS - 20:08d} at step {STEPS - 20}" in proc.stderr
+    assert not marker.exists()
+    assert not (ckpts / f"step_{STEPS + 10:08d}.partial").exists()
+    assert losses(run) == losses(ref)[STEPS - 20:]  # only the replayed steps were logged in this run
+    # the retrained steps were saved again: the newest checkpoint verifies and holds the clean run's weights
+    assert run_cli(["ckpt", "verify", str(newest)], cwd).stdout.strip() == f"step_{STEPS:08d}: ok"
+    assert {p.name.split(".")[0] for p in ckpts.glob("*.corrupt-*")} == {newest.name, crafted.name}
+    listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
+    assert listing.count("set aside") == 2
+    mine, theirs = _final_weights(run), _final_weights(ref)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
 def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):

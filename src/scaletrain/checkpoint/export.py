@@ -103,8 +103,7 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
 
 def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], LlamaArgs]:
     """The consolidated model weights of a committed checkpoint, read in this one process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
+    from scaletrain.checkpoint.safe_load import load_dcp
     from scaletrain.models.registry import build_model
 
     manifest = read_manifest(ckpt)
@@ -115,7 +114,7 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], LlamaArg
     model = build_model(args, "meta")
     model.to_empty(device="cpu")
     state = {"model": {k: v for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    load_dcp(state, ckpt, no_dist=True)
     return state["model"], args
 
 

@@ -3,7 +3,11 @@ trainer's own state as JSON, committed atomically, kept for the last k, verified
 
 Model and optimizer go through `get_state_dict`/`set_state_dict`, so keys are the model's fully-qualified names
 whatever wraps it (DDP, FSDP2, TP): a checkpoint saved by one layout and world size loads into another (DCP
-reshards). Nothing is unpickled from a checkpoint by scaletrain itself: the trainer state is JSON.
+reshards). Nothing in a checkpoint can run code when it is loaded: the trainer state is JSON, and DCP's pickled
+metadata and non-tensor values go through restricted readers (safe_load.py).
+
+A checkpoint that fails verification when resume looks at it is set aside (`step_N.corrupt-<time>`), so the
+steps retrained after falling back are saved again instead of being skipped for an existing folder.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from scaletrain.checkpoint.manifest import (
     commit,
     list_checkpoints,
     partial_dirs,
+    set_aside,
     step_dir_name,
     verify,
 )
+from scaletrain.checkpoint.safe_load import load_dcp
 from scaletrain.config.schema import CheckpointConfig
 from scaletrain.models.llama import plain_param_name
 
@@ -87,6 +93,7 @@ class CheckpointManager:
         self.info = info  # layout, world size, model: recorded in every manifest
         self._pending: tuple | None = None  # (future, partial, final, step, due_step)
         self._last_save_time = time.monotonic()
+        self._saved_step: int | None = None  # the step this process last saved (or started saving)
         # async saves run collectives in a background thread: give them their own gloo group so they never
         # interleave with the training collectives on the default group
         self._group = None
@@ -110,9 +117,13 @@ class CheckpointManager:
     def save(self, step: int, model, optimizer, trainer_state: dict, sync: bool = False) -> None:
         """Save every rank's shard and the trainer state for `step`; async unless sync or configured sync."""
         self.finish_pending()
+        if step == self._saved_step:
+            return  # this process already saved this step (e.g. interval and preemption on the same step)
+        self._saved_step = step
         final = self.root / step_dir_name(step)
-        if final.exists():
-            return  # already saved at this step (e.g. interval and preemption on the same step)
+        if final.exists() and self.rank == 0:  # an earlier run's: replaced atomically at commit, never skipped
+            log.warning("checkpoint: %s exists from an earlier run; it will be replaced by this run's save",
+                        final.name)
         partial = self.root / (step_dir_name(step) + ".partial")
         if self.rank == 0:
             partial.mkdir(parents=True, exist_ok=True)
@@ -158,12 +169,14 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest_good(self) -> Path | None:
-        """Rank 0: the newest checkpoint that verifies; later ones that do not are reported and skipped."""
+        """Rank 0: the newest checkpoint that verifies; newer ones that do not are reported and set aside."""
         for path in list_checkpoints(self.root):
-            verdict = verify(path, checksums=self.cfg.verify_on_resume)
+            # the metadata check is cheap and guards against code in a pickle: always, checksums or not
+            verdict = verify(path, checksums=self.cfg.verify_on_resume, metadata=True)
             if verdict.ok:
                 return path
-            log.warning("checkpoint: skipping %s: %s", path.name, verdict.problem)
+            aside = set_aside(path)
+            log.warning("checkpoint: skipping %s: %s; set aside as %s", path.name, verdict.problem, aside.name)
         return None
 
     def restore(self, model, optimizer) -> dict | None:
@@ -180,7 +193,7 @@ class CheckpointManager:
         path = self.root / step_dir_name(int(step.item()))
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        load_dcp(state, path)
         set_state_dict(model, optimizer, model_state_dict={m_back[k]: v for k, v in state["model"].items()},
                        optim_state_dict={o_back[k]: v for k, v in state["optim"].items()}, options=OPTIONS)
         trainer = json.loads((path / "trainer.json").read_text())

@@ -8,20 +8,39 @@ Layout of a checkpoint directory (CKPT_ROOT = run folder's checkpoints/ unless c
         trainer.json            step, schedule, data position, loss scaler: plain JSON, world-size free
         rng_rank<r>.json        each rank's RNG states
         .metadata, __*.distcp   torch.distributed.checkpoint's files (model + optimizer, any layout)
+    step_00000100.corrupt-20261203-101500/
+                                failed verification when a resume looked at it: set aside (kept for a post-mortem,
+                                never loaded) so the same step can be saved again
+    step_00000100.replaced-.../ a committed folder of an earlier run being replaced by this run's save of that step;
+                                removed once the new one is committed
+
+With SCALETRAIN_CHECKPOINT_KEY set in the environment, every manifest carries an HMAC-SHA256 over its contents
+(which include every file's sha256), and verification refuses a checkpoint whose manifest is unsigned or whose
+signature does not match: on a shared filesystem, someone who can write the folder but does not hold the key can
+no longer rewrite data and checksums together.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "scaletrain-dcp-1"
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
+ASIDE_DIR = re.compile(r"^step_(\d{8})\.corrupt-[\d-]+$")
+KEY_ENV = "SCALETRAIN_CHECKPOINT_KEY"
+
+
+def _signature(manifest: dict, key: str) -> str:
+    body = json.dumps({k: v for k, v in manifest.items() if k != "hmac"}, sort_keys=True).encode()
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest()
 
 
 def step_dir_name(step: int) -> str:
@@ -51,6 +70,8 @@ def commit(partial: Path, final: Path, info: dict) -> dict:
         if p.is_file() and p.name != MANIFEST:
             files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     manifest = {"format": FORMAT, **info, "files": files, "bytes": sum(f["bytes"] for f in files.values())}
+    if os.environ.get(KEY_ENV):
+        manifest["hmac"] = _signature(manifest, os.environ[KEY_ENV])
     tmp = partial / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -58,9 +79,30 @@ def commit(partial: Path, final: Path, info: dict) -> dict:
         os.fsync(f.fileno())
     os.replace(tmp, partial / MANIFEST)
     _fsync_dir(partial)
+    old = None
+    if final.exists():  # a folder of this step from an earlier run: swap, never write into it or skip the save
+        old = final.with_name(f"{final.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        os.replace(final, old)
     os.replace(partial, final)
     _fsync_dir(final.parent)
+    if old is not None:
+        import shutil
+
+        shutil.rmtree(old, ignore_errors=True)
     return manifest
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that failed verification to `step_N.corrupt-<time>`: kept, never loaded or listed as a
+    checkpoint, and its step can be saved again. Returns the new path."""
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+        n += 1
+    os.replace(path, aside)
+    _fsync_dir(path.parent)
+    return aside
 
 
 @dataclass
@@ -78,12 +120,28 @@ def read_manifest(path: Path) -> dict | None:
         return None
 
 
-def verify(path: Path, checksums: bool = True) -> Verdict:
-    """Is `path` a complete, intact checkpoint? Checks presence and size of every file, and sha256 if asked."""
+def verify(path: Path, checksums: bool = True, metadata: bool | None = None) -> Verdict:
+    """Is `path` a complete, intact, safe checkpoint? Checks presence and size of every file, the manifest's
+    signature when SCALETRAIN_CHECKPOINT_KEY is set, the sha256 of every file if `checksums`, and (if `metadata`,
+    by default when `checksums`) that DCP's pickled `.metadata` holds nothing but checkpoint metadata."""
     manifest = read_manifest(path)
-    if manifest is None or manifest.get("format") != FORMAT:
+    if manifest is None or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
         return Verdict(path, False, "no valid manifest.json (incomplete or not a scaletrain checkpoint)")
+    key = os.environ.get(KEY_ENV)
+    if key:
+        if "hmac" not in manifest:
+            return Verdict(path, False, f"manifest.json is not signed but {KEY_ENV} is set (saved without the key, "
+                                        "or rewritten)", manifest)
+        if not hmac.compare_digest(str(manifest["hmac"]), _signature(manifest, key)):
+            return Verdict(path, False, f"manifest.json signature does not match {KEY_ENV} (tampered, or saved "
+                                        "with another key)", manifest)
+    listed = set(manifest["files"])
+    for p in path.iterdir():
+        if p.name not in listed and p.name != MANIFEST:
+            return Verdict(path, False, f"{p.name} is not in the manifest (added after the save)", manifest)
     for name, meta in manifest["files"].items():
+        if "/" in name or name in (".", ".."):
+            return Verdict(path, False, f"manifest.json names {name!r}, not a file of this folder", manifest)
         f = path / name
         if not f.is_file():
             return Verdict(path, False, f"{name} is missing", manifest)
@@ -92,6 +150,13 @@ def verify(path: Path, checksums: bool = True) -> Verdict:
                                         "(truncated)", manifest)
         if checksums and sha256_file(f) != meta["sha256"]:
             return Verdict(path, False, f"{name} fails its sha256 checksum (corrupted)", manifest)
+    if checksums if metadata is None else metadata:
+        from scaletrain.checkpoint.safe_load import UnsafeCheckpoint, check_metadata
+
+        try:
+            check_metadata(path)
+        except (UnsafeCheckpoint, OSError) as e:
+            return Verdict(path, False, str(e), manifest)
     return Verdict(path, True, "", manifest)
 
 
@@ -101,6 +166,14 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+
+
+def set_aside_dirs(root: Path) -> list[Path]:
+    """Checkpoints a resume set aside as corrupt (`step_N.corrupt-<time>`), newest step first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and ASIDE_DIR.match(p.name)]
+    return sorted(found, key=lambda p: (int(ASIDE_DIR.match(p.name).group(1)), p.name), reverse=True)
 
 
 def partial_dirs(root: Path) -> list[Path]:
