@@ -39,10 +39,10 @@ def per_step_cost_s(model_name: str, reps: int = 2000) -> float:
 
     import torch
 
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec
     from scaletrain.monitor.timing import StepTimer
 
-    n_params = sum(1 for _ in torch.nn.Module.parameters(_tiny(PRESETS[model_name])))
+    n_params = sum(1 for _ in preset_spec(model_name).build("meta").parameters())
     timer = StepTimer(torch.device("cpu"))
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -52,12 +52,6 @@ def per_step_cost_s(model_name: str, reps: int = 2000) -> float:
                     for _ in range(n_params):
                         timer._grad_ready(None)
     return (time.perf_counter() - t0) / reps
-
-
-def _tiny(args):
-    from scaletrain.models import build_model
-
-    return build_model(args, "meta")
 
 
 def main() -> None:

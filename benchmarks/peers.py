@@ -196,12 +196,12 @@ def mfu(a, step_s: float) -> float | None:
     from scaletrain.config import ModelConfig
     from scaletrain.hardware.catalog import get_gpu
     from scaletrain.hardware.detect import catalog_name_for
-    from scaletrain.models import model_args
+    from scaletrain.models import model_spec
 
     name = catalog_name_for(torch.cuda.get_device_name())
     if name is None:
         return None
-    flops = model_args(ModelConfig(name=a.model)).flops_per_token(a.seq_len) * a.global_batch * a.seq_len / step_s
+    flops = model_spec(ModelConfig(name=a.model)).flops_per_token(a.seq_len) * a.global_batch * a.seq_len / step_s
     return flops / (a.nproc * get_gpu(name).bf16_flops)
 
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from same_job import DTYPES, WindowClock, adamw, job_args, leave_process_group, loader_for
 from scaletrain.config import ModelConfig
-from scaletrain.models import build_model, init_weights, model_args
+from scaletrain.models import model_spec
 
 
 def main() -> None:
@@ -26,8 +26,8 @@ def main() -> None:
     dist.init_process_group("nccl" if a.device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(a.device, torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
-    args = model_args(ModelConfig(name=a.model))
-    model = build_model(args, "meta")
+    spec = model_spec(ModelConfig(name=a.model))
+    model = spec.build("meta")
     mp = MixedPrecisionPolicy() if a.dtype == "fp32" else \
         MixedPrecisionPolicy(param_dtype=DTYPES[a.dtype], reduce_dtype=torch.float32)
     for block in model.layers.values():
@@ -36,7 +36,7 @@ def main() -> None:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
-    init_weights(model, args, seed=0)
+    spec.init_weights(model, seed=0)
     opt = adamw(model.parameters())
     loader = loader_for(a, rank, world)
     clock = WindowClock(a.log_every)

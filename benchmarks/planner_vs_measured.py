@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layouts import measured_runs, parse_run_arguments, run_arguments  # noqa: E402  (benchmarks/layouts.py's measurement)
 
 from scaletrain.hardware import apply_calibration, load_calibration, make_cluster  # noqa: E402
-from scaletrain.models import PRESETS  # noqa: E402
+from scaletrain.models import preset_spec  # noqa: E402
 from scaletrain.plan import Layout, Workload, evaluate_layout  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     cluster = make_cluster("cpu", a.nproc, gpus_per_node=a.nproc)
     if a.calibration:
         cluster = apply_calibration(cluster, load_calibration(a.calibration))
-    work = Workload(a.model, PRESETS[a.model], a.seq_len, a.global_batch)
+    work = Workload(a.model, preset_spec(a.model).shape(), a.seq_len, a.global_batch)
     rows = []
     for over, r in measured_runs(a):
         if "step_time_s" in r:

@@ -8,7 +8,6 @@ backward time of each stage on this CPU (one thread, one process, median of --re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -16,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from scaletrain.config import ModelConfig
-from scaletrain.models import build_model, init_weights, model_args
-from scaletrain.parallel.pipeline import layer_costs, split_layers, stage_costs, stage_module
+from scaletrain.models import model_spec
+from scaletrain.models.stages import split_layers, stage_costs
 
 
 def measure(part, stage: int, n_stages: int, args, a) -> float:
@@ -47,10 +46,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    args = dataclasses.replace(model_args(ModelConfig(name=a.model)), vocab_size=a.vocab)
-    model = build_model(args, "cpu")
-    init_weights(model, args, seed=0)
-    costs = layer_costs(args, a.seq_len)
+    spec = model_spec(ModelConfig(name=a.model, vocab_size=a.vocab))
+    args = spec.shape()
+    model = spec.build("cpu")
+    spec.init_weights(model, seed=0)
+    costs = spec.layer_costs(a.seq_len)
     print(f"model {a.model} with vocabulary {a.vocab}: {args.n_layers} layers into {a.stages} stages; "
           f"micro-batch {a.micro_batch} x {a.seq_len} tokens, 1 thread")
     print(f"{'split':<10}{'layers per stage':<22}{'model GFLOP/stage':<26}{'measured ms/stage':<24}"
@@ -58,7 +58,7 @@ def main() -> None:
     for balance in ("layers", "cost"):
         bounds = split_layers(costs, a.stages, balance)
         model_cost = [c * a.micro_batch * a.seq_len / 1e9 for c in stage_costs(costs, bounds)]
-        ms = [measure(stage_module(model, s, a.stages, b), s, a.stages, args, a) * 1e3
+        ms = [measure(spec.stage(model, s, a.stages, b), s, a.stages, args, a) * 1e3
               for s, b in enumerate(bounds)]
         print(f"{balance:<10}{' '.join(f'{x}-{y - 1}' for x, y in bounds):<22}"
               f"{' '.join(f'{c:.2f}' for c in model_cost):<26}{' '.join(f'{t:.1f}' for t in ms):<24}"

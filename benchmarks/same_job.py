@@ -15,7 +15,7 @@ import torch
 
 from scaletrain.config import DataConfig, ModelConfig
 from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
-from scaletrain.models import build_model, init_weights, model_args
+from scaletrain.models import model_spec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -35,11 +35,11 @@ def job_args(description: str) -> argparse.Namespace:
 
 
 def model_on(a: argparse.Namespace, device: torch.device | str):
-    """(model with seed-0 weights on `device`, its LlamaArgs)."""
-    args = model_args(ModelConfig(name=a.model))
-    model = build_model(args, device)
-    init_weights(model, args, seed=0)
-    return model, args
+    """(model with seed-0 weights on `device`, its decoder shape)."""
+    spec = model_spec(ModelConfig(name=a.model))
+    model = spec.build(device)
+    spec.init_weights(model, seed=0)
+    return model, spec.shape()
 
 
 def loader_for(a: argparse.Namespace, rank: int, world: int) -> DistributedLoader:

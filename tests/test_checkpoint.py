@@ -193,15 +193,13 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
     run_cli(["ckpt", "export", str(ref), "--format", "hf", "--out", str(out)], cwd)
     for fmt in ("safetensors", "torch"):
         run_cli(["ckpt", "export", str(ref), "--format", fmt, "--out", str(tmp_path / fmt)], cwd)
-    state, args = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")
+    state, spec = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")
     plain = torch.load(tmp_path / "torch" / "model.pt", weights_only=True)
     assert all(torch.equal(plain[k], state[k]) for k in state)
 
-    from scaletrain.models import build_model
-
-    ours = build_model(args, "cpu")
+    ours = spec.build("cpu")
     ours.load_state_dict(state)
-    ours.init_buffers()
+    spec.init_buffers(ours)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

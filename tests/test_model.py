@@ -6,33 +6,34 @@ import pytest
 import torch
 
 from scaletrain.config import ModelConfig
-from scaletrain.models import PRESETS, build_model, init_weights, model_args
+from scaletrain.models import model_spec, preset_spec
 
 
 def test_large_presets_build_instantly_on_meta():
     start = time.perf_counter()
-    model = build_model(PRESETS["llama-70b"])
+    model = preset_spec("llama-70b").build()
     assert time.perf_counter() - start < 5.0  # generous: meta tensors allocate nothing
     assert all(p.is_meta for p in model.parameters())
     # Llama 3.1 8B and 70B have 8.03 B and 70.55 B parameters (Meta's model cards)
-    assert round(PRESETS["llama-8b"].num_params() / 1e9, 2) == 8.03
+    assert round(preset_spec("llama-8b").num_params() / 1e9, 2) == 8.03
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 70.55
 
 
 def test_forward_shapes_and_gqa():
-    args = model_args(ModelConfig(name="tiny"))
+    spec = model_spec(ModelConfig(name="tiny"))
+    args = spec.args
     assert args.n_kv_heads < args.n_heads  # grouped-query attention in the default model
-    model = build_model(args, "cpu")
-    init_weights(model, args, seed=0)
+    model = spec.build("cpu")
+    spec.init_weights(model, seed=0)
     logits = model(torch.randint(0, args.vocab_size, (2, 32)))
     assert logits.shape == (2, 32, args.vocab_size)
     assert torch.isfinite(logits).all()
 
 
 def test_causal_prefix_does_not_see_the_future():
-    args = model_args(ModelConfig(name="tiny"))
-    model = build_model(args, "cpu")
-    init_weights(model, args, seed=1)
+    spec = model_spec(ModelConfig(name="tiny"))
+    model = spec.build("cpu")
+    spec.init_weights(model, seed=1)
     tokens = torch.randint(0, 256, (1, 24))
     changed = tokens.clone()
     changed[0, 20:] = (changed[0, 20:] + 1) % 256
@@ -43,11 +44,11 @@ def test_causal_prefix_does_not_see_the_future():
 
 
 def test_init_depends_only_on_seed_and_name():
-    args = model_args(ModelConfig(name="tiny"))
-    m1, m2 = build_model(args, "cpu"), build_model(args, "meta")
-    init_weights(m1, args, seed=3)
+    spec = model_spec(ModelConfig(name="tiny"))
+    m1, m2 = spec.build("cpu"), spec.build("meta")
+    spec.init_weights(m1, seed=3)
     m2.to_empty(device="cpu")
-    init_weights(m2, args, seed=3)
+    spec.init_weights(m2, seed=3)
     for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
         assert torch.equal(p1, p2), n
 
@@ -59,4 +60,4 @@ def test_init_depends_only_on_seed_and_name():
 ])
 def test_bad_shapes_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
-        model_args(ModelConfig(**override))
+        model_spec(ModelConfig(**override))

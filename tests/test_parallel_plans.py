@@ -1,7 +1,6 @@
 """Tensor- and pipeline-parallel plans without starting ranks: the automatic TP plan, the cost-balanced stage
 split, the schedules' bubble, and impossible layouts refused before launch (one line, exit 2, nothing written)."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -10,9 +9,10 @@ from torch import nn
 
 from scaletrain.cli.main import main
 from scaletrain.config import ModelConfig
-from scaletrain.models import build_model, model_args
-from scaletrain.parallel.pipeline import bubble_fraction, layer_costs, split_layers, stage_costs, stage_module
-from scaletrain.parallel.tensor_parallel import TPOptions, auto_tp_plan, llama_tp_plan
+from scaletrain.models import model_spec
+from scaletrain.models.stages import split_layers, stage_costs
+from scaletrain.parallel.pipeline import bubble_fraction
+from scaletrain.parallel.tensor_parallel import auto_tp_plan
 
 
 class HFLlamaLikeAttention(nn.Module):  # the module layout of transformers' LlamaAttention
@@ -69,14 +69,14 @@ def test_auto_tp_plan_finds_hf_llama_projections_by_structure():
 
 
 def test_auto_tp_plan_matches_the_hand_written_one_on_the_builtin_model():
-    model = build_model(model_args(ModelConfig(name="tiny")))
+    spec = model_spec(ModelConfig(name="tiny"))
+    model = spec.build()
     auto = _styles(auto_tp_plan(model))
-    assert auto == _styles(llama_tp_plan(model, TPOptions()))  # same modules, same styles
+    assert auto == _styles(spec.tp_plan(model, sequence_parallel=False, loss_parallel=False))  # same modules, styles
 
 
 def test_balanced_split_beats_equal_layer_counts_when_the_head_is_big():
-    args = dataclasses.replace(model_args(ModelConfig(name="tiny")), vocab_size=8192)
-    costs = layer_costs(args, seq_len=256)
+    costs = model_spec(ModelConfig(name="tiny", vocab_size=8192)).layer_costs(seq_len=256)
     equal = split_layers(costs, 2, "layers")
     balanced = split_layers(costs, 2, "cost")
     assert equal == [(0, 2), (2, 4)]
@@ -105,9 +105,9 @@ def test_cost_split_is_optimal_contiguous_and_covers_every_layer():
 
 
 def test_stage_modules_keep_the_plain_model_names():
-    args = model_args(ModelConfig(name="tiny"))
-    model = build_model(args)
-    parts = [stage_module(model, s, 2, b) for s, b in enumerate(split_layers(layer_costs(args, 64), 2))]
+    spec = model_spec(ModelConfig(name="tiny"))
+    model = spec.build()
+    parts = [spec.stage(model, s, 2, b) for s, b in enumerate(split_layers(spec.layer_costs(64), 2))]
     names = [n for p in parts for n, _ in p.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     assert parts[0].output is None and parts[1].tok_embeddings is None

@@ -6,13 +6,13 @@ embedding, then 1 block + the head): the planner must split as the trainer does.
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 
 import pytest
 import torch
 
-from scaletrain.models import PRESETS
+from scaletrain.config import ModelConfig
+from scaletrain.models import model_spec, preset_spec
 from scaletrain.plan.memory import trainer_model_state_bytes
 
 SEQ = 32
@@ -30,8 +30,8 @@ LAYOUTS_4 = [
 ]
 
 
-def _args(vocab: int):
-    return dataclasses.replace(PRESETS["tiny"], vocab_size=vocab)
+def _spec(vocab: int):
+    return model_spec(ModelConfig(name="tiny", vocab_size=vocab))
 
 
 def _local_bytes(t: torch.Tensor) -> int:
@@ -44,7 +44,6 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
 
     from scaletrain.config.schema import ParallelConfig, PrecisionConfig, TrainConfig
     from scaletrain.data.loader import Batch
-    from scaletrain.models import build_model, init_weights
     from scaletrain.parallel.apply import apply_parallelism
     from scaletrain.parallel.dims import ParallelDims, build_mesh
     from scaletrain.train.job import Job
@@ -57,16 +56,19 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
     try:
         for layout in layouts:
             dpr, dps, tp, pp, dtype, schedule, vocab = layout
-            args = _args(vocab)
+            spec = _spec(vocab)
             dims = ParallelDims(dpr, dps, tp, pp)
             mesh = build_mesh(dims, "cpu")
             pcfg = ParallelConfig(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, sequence_parallel=tp > 1,
                                   **({"pp_schedule": schedule} if schedule else {}))
-            model = apply_parallelism(build_model(args, "meta"), dims, mesh, torch.device("cpu"), pcfg,
-                                      PrecisionConfig(dtype=dtype), init_fn=lambda m, a=args: init_weights(m, a, 0),
-                                      microbatches=4, seq_len=SEQ)
+            pm = apply_parallelism(spec.build("meta"), dims, mesh, torch.device("cpu"), pcfg,
+                                   PrecisionConfig(dtype=dtype), spec=spec,
+                                   init_fn=lambda m, s=spec: s.init_weights(m, 0), microbatches=4, seq_len=SEQ)
+            model = pm.module
             opt = build_optimizer(model, TrainConfig())
-            job = Job(model, opt, dims, mesh, torch.device("cpu"), rank, world, 0, dtype)
+            job = Job(model=model, optimizer=opt, dims=dims, mesh=mesh, device=torch.device("cpu"), rank=rank,
+                      world_size=world, dp_rank=0, dtype=dtype, pipeline=pm.pipeline,
+                      loss_parallel=pm.loss_parallel)
             gen = torch.Generator().manual_seed(0)
             batches = []
             for _ in range(4):
@@ -117,12 +119,12 @@ def _check(measured: list[dict], layout: tuple, world: int) -> None:
     v_shaped = schedule == "ZBVZeroBubble"
     stages = 1 if schedule in (None, "1F1B") else 2
     for r in rows:  # the tiny model's dims are all even, so every data-parallel/TP rank holds the same bytes
-        predicted = trainer_model_state_bytes(_args(vocab), tp, pp, dps, SEQ, stages, v_shaped, r["pp_rank"])
+        predicted = trainer_model_state_bytes(_spec(vocab).shape(), tp, pp, dps, SEQ, stages, v_shaped, r["pp_rank"])
         assert {k: r[k] for k in predicted} == predicted, r
     if pp > 1:  # the pipeline ranks really hold different parts, and the planner's largest is the largest
         by_rank = {r["pp_rank"]: r["parameters"] for r in rows}
         assert len(set(by_rank.values())) > 1
-        assert trainer_model_state_bytes(_args(vocab), tp, pp, dps, SEQ, stages, v_shaped)["parameters"] == \
+        assert trainer_model_state_bytes(_spec(vocab).shape(), tp, pp, dps, SEQ, stages, v_shaped)["parameters"] == \
             max(by_rank.values())
 
 
@@ -142,5 +144,5 @@ def test_model_state_bytes_match_the_trainers_tensors_on_4_ranks(measured_4, lay
 
 
 def test_fsdp_halves_what_one_rank_keeps():
-    full = trainer_model_state_bytes(PRESETS["tiny"])
-    assert trainer_model_state_bytes(PRESETS["tiny"], dp_shard=2)["parameters"] * 2 == full["parameters"]
+    full = trainer_model_state_bytes(preset_spec("tiny").shape())
+    assert trainer_model_state_bytes(preset_spec("tiny").shape(), dp_shard=2)["parameters"] * 2 == full["parameters"]

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.hardware import make_cluster
-from scaletrain.models.llama import LlamaArgs, TransformerBlock, precompute_rope
+from scaletrain.models.llama.model import LlamaArgs, TransformerBlock, precompute_rope
 from scaletrain.plan.comm import collective_seconds, group_placement
 from scaletrain.plan.memory import (
     gpt_layer_saved_tensor_bytes,
     korthikanti_layer_activation_bytes,
-    llama_layer_activation_bytes_per_token,
+    layer_activation_bytes_per_token,
     output_layer_saved_bytes_per_token,
     zero_model_state_bytes,
 )
@@ -112,7 +112,7 @@ def test_llama_block_activation_bytes_measured(dtype, elem):
     x = torch.randn(b, s, ARGS.dim, dtype=dtype, requires_grad=True)
     measured = _saved_bytes(block, lambda: block(x, cos[:s], sin[:s]))
     rope_tables = cos.nbytes + sin.nbytes  # shared by every layer, built once per model
-    predicted = llama_layer_activation_bytes_per_token(ARGS, elem, 1, "none", fused_norm=False) * b * s
+    predicted = layer_activation_bytes_per_token(ARGS, elem, 1, "none", fused_norm=False) * b * s
     assert measured - rope_tables == predicted
 
 
@@ -122,7 +122,7 @@ def test_llama_block_full_checkpoint_keeps_only_the_input():
     x = torch.randn(b, s, ARGS.dim, dtype=torch.bfloat16, requires_grad=True)
     c, si = cos[:s].contiguous(), sin[:s].contiguous()
     measured = _saved_bytes(block, lambda: torch.utils.checkpoint.checkpoint(block, x, c, si, use_reentrant=True))
-    predicted = llama_layer_activation_bytes_per_token(ARGS, 2, 1, "full") * b * s
+    predicted = layer_activation_bytes_per_token(ARGS, 2, 1, "full") * b * s
     assert measured - c.nbytes - si.nbytes == predicted
 
 
@@ -150,7 +150,7 @@ def test_llama_block_selective_checkpoint_keeps_matmul_and_attention_outputs():
         torch.utils.checkpoint.checkpoint(block, x, cos[:s], sin[:s], use_reentrant=False,
                                           context_fn=lambda: create_selective_checkpoint_contexts(policy))
     measured = x.nbytes + sum(t.untyped_storage().nbytes() for t in kept)
-    assert measured == llama_layer_activation_bytes_per_token(ARGS, 2, 1, "selective") * b * s
+    assert measured == layer_activation_bytes_per_token(ARGS, 2, 1, "selective") * b * s
 
 
 def test_output_layer_and_loss_saved_bytes_measured():
@@ -172,14 +172,14 @@ def test_output_layer_and_loss_saved_bytes_measured():
 
 
 def test_llama_8b_block_is_44_h_not_gpt_34_h():
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec
 
-    a = PRESETS["llama-8b"]
-    per_token = float(llama_layer_activation_bytes_per_token(a, 2, 1, "none", fused_norm=True))
+    a = preset_spec("llama-8b").shape()
+    per_token = float(layer_activation_bytes_per_token(a, 2, 1, "none", fused_norm=True))
     assert per_token == 16 * a.dim + 8 * a.ffn_dim + 4 * a.n_heads + 8
     assert round(per_token / a.dim) == 44
     # tensor parallel with sequence parallel shards everything but the gathered linear inputs (2 x h x 2 bytes)
-    t8 = float(llama_layer_activation_bytes_per_token(a, 2, 8, "none"))
+    t8 = float(layer_activation_bytes_per_token(a, 2, 8, "none"))
     assert t8 == pytest.approx((per_token - 4 * a.dim) / 8 + 4 * a.dim)
 
 
@@ -216,12 +216,13 @@ def test_ring_collectives_over_the_links_they_cross():
 def _dispatched_ops(preset: str, ac: str) -> tuple[int, int]:
     """(forward incl. loss, backward) ATen ops of the built-in model as the trainer wraps it for `ac`."""
     from scaletrain.hardware.bench import count_dispatched_ops
-    from scaletrain.models import PRESETS, build_model, init_weights
+    from scaletrain.models import preset_spec
     from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
-    args = PRESETS[preset]
-    model = build_model(args, "meta").to_empty(device="cpu")
-    init_weights(model, args, seed=0)
+    spec = preset_spec(preset)
+    args = spec.shape()
+    model = spec.build("meta").to_empty(device="cpu")
+    spec.init_weights(model, seed=0)
     if ac != "none":
         apply_activation_checkpointing(model, ac, "op", 2)
     x = torch.randint(0, args.vocab_size, (2, 64))
@@ -235,32 +236,32 @@ def _dispatched_ops(preset: str, ac: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
 def test_op_counts_per_block_are_what_the_built_model_dispatches(ac):
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec
     from scaletrain.plan.steptime import OPS_PER_BLOCK, OPS_ROOT
 
     tiny, small = _dispatched_ops("tiny", ac), _dispatched_ops("small", ac)  # 4 and 8 blocks
-    extra = PRESETS["small"].n_layers - PRESETS["tiny"].n_layers
+    extra = preset_spec("small").shape().n_layers - preset_spec("tiny").shape().n_layers
     per_block = tuple((s - t) // extra for s, t in zip(small, tiny))
     assert per_block == OPS_PER_BLOCK[ac]
-    assert tuple(t - PRESETS["tiny"].n_layers * b for t, b in zip(tiny, per_block)) == OPS_ROOT
+    assert tuple(t - preset_spec("tiny").shape().n_layers * b for t, b in zip(tiny, per_block)) == OPS_ROOT
 
 
 def test_dispatch_overhead_is_paid_per_micro_batch_on_cpu_and_hidden_on_big_gpu_work():
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec
     from scaletrain.plan import Layout, Workload, evaluate_layout
     from scaletrain.plan.steptime import OPS_PER_BLOCK, OPS_ROOT
 
     cpu = make_cluster("cpu", 2, gpus_per_node=2)
-    work = Workload("tiny", PRESETS["tiny"], 256, 16)
+    work = Workload("tiny", preset_spec("tiny").shape(), 256, 16)
     one = evaluate_layout(work, cpu, Layout(2, 1, 1, 1, 1, 8, 1, "none", "fp32", "none"))
     eight = evaluate_layout(work, cpu, Layout(2, 1, 1, 1, 1, 1, 8, "none", "fp32", "none"))
-    ops = PRESETS["tiny"].n_layers * sum(OPS_PER_BLOCK["none"]) + sum(OPS_ROOT)
+    ops = preset_spec("tiny").shape().n_layers * sum(OPS_PER_BLOCK["none"]) + sum(OPS_ROOT)
     assert eight.time["op dispatch"] == pytest.approx(8 * ops * cpu.op_overhead_s)
     assert eight.step_s - one.step_s == pytest.approx(7 * ops * cpu.op_overhead_s, rel=1e-6)
     # a GPU dispatches ahead of its kernels: nothing shows for an 8B model, the host shows for a tiny one
     h100 = make_cluster("h100-sxm", 8)
-    big = evaluate_layout(Workload("llama-8b", PRESETS["llama-8b"], 8192, 8),
+    big = evaluate_layout(Workload("llama-8b", preset_spec("llama-8b").shape(), 8192, 8),
                           h100, Layout(1, 8, 1, 1, 1, 1, 1, "full", "bf16", "none"))
-    small = evaluate_layout(Workload("tiny", PRESETS["tiny"], 64, 8), h100,
+    small = evaluate_layout(Workload("tiny", preset_spec("tiny").shape(), 64, 8), h100,
                             Layout(8, 1, 1, 1, 1, 1, 1, "none", "bf16", "none"))
     assert big.time["op dispatch"] == 0.0 and small.time["op dispatch"] > 0.0

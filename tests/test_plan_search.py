@@ -8,13 +8,13 @@ import pytest
 
 from scaletrain.config import parse_override
 from scaletrain.hardware import make_cluster
-from scaletrain.models import PRESETS
+from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, SearchOptions, Workload, evaluate_layout, search_layouts, smallest_setup
 from scaletrain.plan.advice import budget_for, compare_gpus, fits_on
 from scaletrain.plan.explain import explain_alternatives, explain_top
-from scaletrain.plan.shapes import llama_args_for_params
+from scaletrain.plan.shapes import decoder_shape_for_params
 
-W8B = Workload("llama-8b", PRESETS["llama-8b"], 8192, 512)
+W8B = Workload("llama-8b", preset_spec("llama-8b").shape(), 8192, 512)
 H100_64 = make_cluster("h100-sxm", 64, "nvlink4,ib-ndr")
 
 
@@ -54,7 +54,7 @@ def test_pipeline_bubble_shows_in_a_given_layout():
 
 
 def test_trillion_parameters_on_3072_gpus_searches_fast():
-    work = Workload("1t", llama_args_for_params(1e12), 8192, 3072)
+    work = Workload("1t", decoder_shape_for_params(1e12), 8192, 3072)
     assert 0.95e12 < work.args.num_params() < 1.05e12
     cluster = make_cluster("h100-sxm", 3072, "nvlink4,ib-ndr")
     t0 = time.perf_counter()
@@ -67,7 +67,7 @@ def test_trillion_parameters_on_3072_gpus_searches_fast():
 
 
 def test_does_it_fit_on_one_gpu_and_smallest_setup():
-    one = fits_on(Workload("llama-1b", PRESETS["llama-1b"], 2048, 32), H100_64.with_gpus(1))
+    one = fits_on(Workload("llama-1b", preset_spec("llama-1b").shape(), 2048, 32), H100_64.with_gpus(1))
     assert one.fits and "fits" in one.reason
     big = fits_on(W8B, H100_64.with_gpus(1))
     assert not big.fits and "exceed" in big.reason

@@ -4,7 +4,7 @@ planner's top 2 of the measured layouts (no launches; the measurements are data)
 from __future__ import annotations
 
 from scaletrain.hardware import Calibration, apply_calibration, make_cluster
-from scaletrain.models import PRESETS
+from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, Workload, evaluate_layout
 
 # `python benchmarks/layouts.py` (tiny model, 4 CPU ranks over gloo, fp32, 30 steps x 16 x 256 tokens), median
@@ -34,7 +34,7 @@ def predicted_ms(calibrated: bool) -> dict[str, float]:
     cluster = make_cluster("cpu", 4, gpus_per_node=4)
     if calibrated:
         cluster = apply_calibration(cluster, CALIBRATION)
-    work = Workload("tiny", PRESETS["tiny"], 256, 16)
+    work = Workload("tiny", preset_spec("tiny").shape(), 256, 16)
     return {name: evaluate_layout(work, cluster, layout_of(name)).step_s * 1e3 for name in MEASURED_MS}
 
 

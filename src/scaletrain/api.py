@@ -67,10 +67,10 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, *, data_parallel: 
     dims = ParallelDims.resolve(pcfg, rt.world_size)
     mesh = build_mesh(dims, rt.device.type)
     names = {id(p): n for n, p in model.named_parameters()}
-    model = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision))
+    model = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision)).module
     if any(id(p) not in names for p in model.parameters()):
         optimizer = rebind_optimizer(optimizer, names, model)
     scaler = make_scaler(dims, precision, rt.device, 2.0**16, 2000)
     dp_rank, _ = dp_coordinates(dims, mesh)
-    return Job(model, optimizer, dims, mesh, rt.device, rt.rank, rt.world_size, dp_rank, precision, grad_clip,
-               scaler)
+    return Job(model=model, optimizer=optimizer, dims=dims, mesh=mesh, device=rt.device, rank=rt.rank,
+               world_size=rt.world_size, dp_rank=dp_rank, dtype=precision, grad_clip=grad_clip, scaler=scaler)

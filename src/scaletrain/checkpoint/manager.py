@@ -18,6 +18,7 @@ import logging
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ from scaletrain.checkpoint.manifest import (
 )
 from scaletrain.checkpoint.safe_load import load_dcp
 from scaletrain.config.schema import CheckpointConfig
-from scaletrain.models.llama import plain_param_name
+from scaletrain.models.naming import plain_param_name
+from scaletrain.parallel.pipeline import PipelinedModel
 
 log = logging.getLogger("scaletrain")
 
@@ -71,12 +73,23 @@ def _plain_key(key: str) -> str:
 def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str, str]]:
     """Model and optimizer state dicts keyed by plain names, plus the maps back to this layout's keys."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-    staged = getattr(model, "pipeline", None) is not None
+    staged = isinstance(model, PipelinedModel)
     rename = _plain_key if staged else plain_param_name
     m_back = {rename(k): k for k in model_sd}
     o_back = {rename(k): k for k in optim_sd}
     return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()},
             m_back, o_back)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a resume loaded: the trainer's own state and where it came from."""
+
+    trainer_state: dict  # as saved: step, schedule, data position, ... (plain JSON)
+    step: int
+    path: Path
+    saved_layout: str | None
+    saved_world_size: int | None
 
 
 def _barrier() -> None:
@@ -179,8 +192,8 @@ class CheckpointManager:
             log.warning("checkpoint: skipping %s: %s; set aside as %s", path.name, verdict.problem, aside.name)
         return None
 
-    def restore(self, model, optimizer) -> dict | None:
-        """Load the newest good checkpoint into model and optimizer (any layout); returns the trainer state."""
+    def restore(self, model, optimizer) -> Restored | None:
+        """Load the newest good checkpoint into model and optimizer (any layout); None when there is none."""
         step = torch.tensor([-1], dtype=torch.int64)
         if self.rank == 0:
             path = self.latest_good()
@@ -201,10 +214,7 @@ class CheckpointManager:
         rng = path / f"rng_rank{self.rank}.json"
         if manifest.get("world_size") == self.world_size and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))
-        trainer["_resumed_from"] = str(path)
-        trainer["_saved_layout"] = manifest.get("layout")
-        trainer["_saved_world_size"] = manifest.get("world_size")
-        return trainer
+        return Restored(trainer, int(trainer["step"]), path, manifest.get("layout"), manifest.get("world_size"))
 
     def close(self) -> None:
         self.finish_pending()

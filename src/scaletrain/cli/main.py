@@ -130,11 +130,14 @@ def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> li
 @main.command()
 def models() -> None:
     """List the built-in model presets with their sizes."""
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec, presets
 
-    for name, a in PRESETS.items():
-        click.echo(f"{name:12s} {a.num_params() / 1e9:9.3f} B params  dim {a.dim:5d}  layers {a.n_layers:3d}  "
-                   f"heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  vocab {a.vocab_size}")
+    for name in presets():
+        spec = preset_spec(name)
+        a = spec.shape()
+        shape = (f"dim {a.dim:5d}  layers {a.n_layers:3d}  heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  "
+                 f"vocab {a.vocab_size}") if a is not None else f"{spec.args}"
+        click.echo(f"{name:12s} {spec.num_params() / 1e9:9.3f} B params  {shape}  ({spec.family})")
 
 
 from scaletrain.cli.plan import bench, plan  # noqa: E402  (the planner's commands)

@@ -44,16 +44,16 @@ def _console():
 
 
 def _workload(model, params, dims, seq_len, global_batch, gpus):
-    from scaletrain.models import PRESETS
+    from scaletrain.models import preset_spec, presets
     from scaletrain.plan.layout import Workload
-    from scaletrain.plan.shapes import llama_args_for_params
+    from scaletrain.plan.shapes import decoder_shape_for_params
 
     if params is not None:
-        args, name = llama_args_for_params(params), f"custom-{params / 1e9:.3g}b"
+        args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
     else:
-        if model not in PRESETS:
-            _fail(f"--model: unknown model {model!r}; choose one of {', '.join(PRESETS)} or pass --params")
-        args, name = PRESETS[model], model
+        if model not in presets() or preset_spec(model).shape() is None:
+            _fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
+        args, name = preset_spec(model).shape(), model
     changes = {k: v for k, v in dims.items() if v is not None}
     if changes:
         for k, v in changes.items():

@@ -67,12 +67,12 @@ def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int =
     kernels are too small to matter, divided by the ops it dispatches (the planner's OPS_PER_BLOCK count)."""
     import torch.nn.functional as F
 
-    from scaletrain.models import PRESETS, build_model, init_weights
+    from scaletrain.models import preset_spec
 
-    args = PRESETS["tiny"]
-    model = build_model(args, "meta").to_empty(device=device)
-    init_weights(model, args, seed=0)
-    tokens = torch.randint(0, args.vocab_size, (1, 8), device=device)
+    spec = preset_spec("tiny")
+    model = spec.build("meta").to_empty(device=device)
+    spec.init_weights(model, seed=0)
+    tokens = torch.randint(0, spec.vocab_size, (1, 8), device=device)
 
     def step() -> None:
         logits = model(tokens)

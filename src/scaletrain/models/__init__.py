@@ -1,6 +1,6 @@
-"""Built-in models: a Llama-style decoder and its presets."""
+"""Model families behind one seam (spec.py): the built-in Llama (llama/) and any folder like it (registry.py)."""
 
-from scaletrain.models.llama import Llama, LlamaArgs, init_weights
-from scaletrain.models.registry import PRESETS, build_model, model_args
+from scaletrain.models.registry import families, model_spec, preset_spec, presets, spec_from_manifest
+from scaletrain.models.spec import DecoderShape, ModelSpec
 
-__all__ = ["PRESETS", "Llama", "LlamaArgs", "build_model", "init_weights", "model_args"]
+__all__ = ["DecoderShape", "ModelSpec", "families", "model_spec", "preset_spec", "presets", "spec_from_manifest"]

@@ -1,48 +1,96 @@
-"""Built-in model presets and building a model from the config.
+"""Model families and their presets, found by folder: every subpackage of `scaletrain.models` that exports `SPEC`
+(a ModelSpec subclass) and `PRESETS` ({name: args}) is a family. Adding a family is adding a folder; no code here or
+in the trainer names one.
 
-Large presets exist for planning: built on the meta device they cost no memory and no time.
-Shapes of the Llama presets are Meta's published Llama 3.x configurations (config.json of each release).
+`SCALETRAIN_MODEL_PATH` (folders separated by os.pathsep) adds folders holding more family packages, found the
+same way: a user's own family, or a test's, without touching the installed package. Importing a family imports no
+torch unless the family itself does at import time (the built-in one does not).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+from functools import lru_cache
+from pathlib import Path
 
-import torch
+from scaletrain.models.spec import ModelSpec
 
-from scaletrain.config.schema import ModelConfig
-from scaletrain.models.llama import Llama, LlamaArgs
-
-PRESETS: dict[str, LlamaArgs] = {
-    # byte-level toy sizes for CPU ranks
-    "tiny": LlamaArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352, vocab_size=256, max_seq_len=512),
-    "small": LlamaArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=704, vocab_size=256, max_seq_len=1024),
-    "base": LlamaArgs(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=256, max_seq_len=1024),
-    # Llama 3.2 1B / 3.1 8B / 3.1 70B / 3.1 405B shapes (128,256-token vocabulary, rope theta 500,000)
-    "llama-1b": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
-                          max_seq_len=8192, rope_theta=500000.0),
-    "llama-8b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
-                          max_seq_len=8192, rope_theta=500000.0),
-    "llama-70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256,
-                           max_seq_len=8192, rope_theta=500000.0),
-    "llama-405b": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
-                            vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
-}
+PATH_ENV = "SCALETRAIN_MODEL_PATH"
 
 
-def model_args(cfg: ModelConfig) -> LlamaArgs:
-    """The preset named by cfg.name with cfg's overrides applied; ValueError names the bad field."""
-    if cfg.name not in PRESETS:
-        raise ValueError(f"model.name: unknown model {cfg.name!r}; choose one of {', '.join(PRESETS)}")
-    changes = {f: getattr(cfg, f) for f in
-               ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
-               if getattr(cfg, f) is not None}
-    args = dataclasses.replace(PRESETS[cfg.name], **changes)
-    args.check()
-    return args
+def _family_modules() -> list:
+    import scaletrain.models as pkg
+
+    found = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.ispkg:
+            found.append(importlib.import_module(f"{pkg.__name__}.{info.name}"))
+    for folder in filter(None, os.environ.get(PATH_ENV, "").split(os.pathsep)):
+        for info in sorted(pkgutil.iter_modules([folder]), key=lambda i: i.name):
+            if not info.ispkg:
+                continue
+            name = f"scaletrain_model_family_{info.name}"
+            if name not in sys.modules:
+                init = Path(folder) / info.name / "__init__.py"
+                spec = importlib.util.spec_from_file_location(name, init,
+                                                              submodule_search_locations=[str(init.parent)])
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module
+                spec.loader.exec_module(module)
+            found.append(sys.modules[name])
+    return [m for m in found if isinstance(getattr(m, "SPEC", None), type) and issubclass(m.SPEC, ModelSpec)]
 
 
-def build_model(args: LlamaArgs, device: torch.device | str = "meta") -> Llama:
-    """Construct the model on `device` (default meta: instant, no memory); weights are filled by init_weights."""
-    with torch.device(device):
-        return Llama(args)
+@lru_cache(maxsize=None)
+def _families_for(path: str) -> tuple[dict[str, type[ModelSpec]], dict[str, tuple[type[ModelSpec], object]]]:
+    families: dict[str, type[ModelSpec]] = {}
+    presets: dict[str, tuple[type[ModelSpec], object]] = {}
+    for module in _family_modules():
+        cls = module.SPEC
+        families[cls.family] = cls
+        for name, args in getattr(module, "PRESETS", {}).items():
+            if name in presets:
+                raise RuntimeError(f"model preset {name!r} is defined by two families: "
+                                   f"{presets[name][0].family} and {cls.family}")
+            presets[name] = (cls, args)
+    return families, presets
+
+
+def families() -> dict[str, type[ModelSpec]]:
+    """{family name: its ModelSpec class} of every family found."""
+    return _families_for(os.environ.get(PATH_ENV, ""))[0]
+
+
+def presets() -> dict[str, tuple[type[ModelSpec], object]]:
+    """{preset name: (its family's ModelSpec class, args)} over every family, in discovery order."""
+    return _families_for(os.environ.get(PATH_ENV, ""))[1]
+
+
+def preset_spec(name: str) -> ModelSpec:
+    """The spec of a preset as it is; ValueError (one line) lists the presets when the name is unknown."""
+    found = presets()
+    if name not in found:
+        raise ValueError(f"model.name: unknown model {name!r}; choose one of {', '.join(found)}")
+    cls, args = found[name]
+    return cls(args)
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The spec for a job's `model` section: the preset named by cfg.name with cfg's shape overrides applied;
+    ValueError names the bad field."""
+    base = preset_spec(cfg.name)
+    overrides = {k: v for k, v in cfg.model_dump().items() if k != "name" and v is not None}
+    return type(base).from_overrides(base.args, overrides)
+
+
+def spec_from_manifest(entry: dict) -> ModelSpec:
+    """Rebuild the spec a checkpoint recorded (ModelSpec.manifest); ValueError when its family is not installed."""
+    cls = families().get(entry.get("family", ""))
+    if cls is None:
+        raise ValueError(f"checkpoint: model family {entry.get('family')!r} is not installed here (found: "
+                         f"{', '.join(families())})")
+    return cls(cls.args_type(**entry["args"]))

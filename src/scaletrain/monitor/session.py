@@ -61,14 +61,16 @@ def read_top_ops(run_dir: Path) -> dict | None:
 
 class TrainMonitor:
     def __init__(self, cfg, out: Path, rank: int, world_size: int, device: torch.device, model: torch.nn.Module,
-                 flops_per_token: float | None, dtype: str, start_step: int, layout: str):
+                 flops_per_token: float | None, dtype: str, start_step: int, layout: str,
+                 pipeline_stages: list[torch.nn.Module] | None = None, pp_bubble: float | None = None):
+        """pipeline_stages: this rank's stage modules when a pipeline schedule runs them (their forward passes
+        are timed by hooks); pp_bubble: the schedule's predicted idle share, reported beside the measured one."""
         self.cfg, self.out, self.rank, self.device = cfg, out, rank, device
-        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=injected_delays(cfg, rank))
-                      if cfg.breakdown else NULL_TIMER)
+        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=injected_delays(cfg, rank),
+                                pipeline_stages=pipeline_stages) if cfg.breakdown else NULL_TIMER)
         self.peak, peak_source = peak_flops(device, dtype, world_size)
         self.flops_per_token = flops_per_token
-        pipeline = getattr(model, "pipeline", None)
-        self.pp_bubble_predicted = getattr(pipeline, "bubble", None)
+        self.pp_bubble_predicted = pp_bubble
         self.sampler = None
         if cfg.sample_interval_s > 0:
             from scaletrain.monitor.sampler import DeviceSampler
@@ -122,13 +124,14 @@ class TrainMonitor:
         if self.profiler is not None:
             self.profiler.step(step)
 
-    def close(self) -> list:
-        """Stop sampling and profiling; on rank 0 diagnose the run, log the findings, write diagnosis.json."""
+    def close(self, with_diagnosis: bool = True) -> list:
+        """Stop sampling and profiling; on rank 0 (and if `with_diagnosis`) diagnose the run, log the findings,
+        write diagnosis.json."""
         if self.sampler is not None:
             self.sampler.stop()
         if self.profiler is not None:
             self.profiler.close()
-        if self.rank != 0 or not (self.out / "metrics.jsonl").is_file():
+        if not with_diagnosis or self.rank != 0 or not (self.out / "metrics.jsonl").is_file():
             return []
         findings = diagnose(read_jsonl(self.out / "metrics.jsonl"), thresholds(self.cfg), read_samples(self.out),
                             read_top_ops(self.out), self.pp_bubble_predicted)

@@ -118,7 +118,7 @@ class StepTimer:
     enabled = True
 
     def __init__(self, device: torch.device, model: torch.nn.Module | None = None, nvtx: bool = False,
-                 inject: dict[str, float] | None = None):
+                 inject: dict[str, float] | None = None, pipeline_stages: list[torch.nn.Module] | None = None):
         self.cuda = device.type == "cuda"
         self.device = device
         self.nvtx = nvtx and self.cuda
@@ -136,9 +136,9 @@ class StepTimer:
         self.steps = 0
         self._handles = []
         if model is not None:
-            self._install_hooks(model)
+            self._install_hooks(model, pipeline_stages)
 
-    def _install_hooks(self, model: torch.nn.Module) -> None:
+    def _install_hooks(self, model: torch.nn.Module, pipeline_stages: list[torch.nn.Module] | None) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         # FSDP2 calls these hooks itself after each reduce-scatter, and TP reduces inside the matmuls: with
         # DTensor parameters "last gradient ready" is not the end of compute, so those layouts use the peer estimate
@@ -148,8 +148,8 @@ class StepTimer:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
             except (RuntimeError, AttributeError):
                 pass
-        if getattr(model, "pipeline", None) is not None:
-            for part in model:
+        if pipeline_stages:
+            for part in pipeline_stages:
                 self._handles.append(part.register_forward_pre_hook(self._pp_pre))
                 self._handles.append(part.register_forward_hook(self._pp_post))
 

@@ -13,6 +13,9 @@ from functools import partial
 import torch
 from torch import nn
 
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel.blocks import block_container, block_items, set_block
+
 
 def _saved_ops() -> set:
     names = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"),
@@ -47,22 +50,21 @@ def _wrap(block: nn.Module, op_level: bool) -> nn.Module:
                               context_fn=lambda: create_selective_checkpoint_contexts(policy))
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, selective: str = "op", every: int = 2) -> int:
-    """Wrap the model's transformer blocks in place (mode: none / full / selective, selective: op / layer, every:
-    checkpoint every k-th block for selective layer). Returns the number of blocks wrapped."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, selective: str = "op", every: int = 2,
+                                   spec: ModelSpec | None = None) -> int:
+    """Wrap the model's blocks (parallel/blocks.py) in place (mode: none / full / selective, selective: op /
+    layer, every: checkpoint every k-th block for selective layer). Returns the number of blocks wrapped."""
     if mode == "none":
         return 0
-    container = getattr(model, "layers", None)
-    if not isinstance(container, (nn.ModuleDict, nn.ModuleList)):
-        raise ValueError("parallel.activation_checkpoint: the model has no `layers` container of blocks to wrap")
-    keys = list(container.keys()) if isinstance(container, nn.ModuleDict) else list(range(len(container)))
+    found = block_container(model, spec)
+    if found is None:
+        raise ValueError("parallel.activation_checkpoint: the model has no container of blocks to wrap")
+    container = found[1]
     wrapped = 0
-    for key in keys:
-        block = container[key]
+    for key, block in block_items(container):
         # count by the global layer index, so a pipeline stage checkpoints the same blocks as the whole model
-        index = int(key)
-        if mode == "selective" and selective == "layer" and (index + 1) % every:
+        if mode == "selective" and selective == "layer" and (int(key) + 1) % every:
             continue
-        container[key] = _wrap(block, op_level=mode == "selective" and selective == "op")
+        set_block(container, key, _wrap(block, op_level=mode == "selective" and selective == "op"))
         wrapped += 1
     return wrapped

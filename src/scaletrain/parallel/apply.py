@@ -10,18 +10,29 @@ unit per block.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
+from scaletrain.models.spec import ModelSpec
+from scaletrain.models.stages import split_layers
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.pipeline import (PipelinedModel, build_pipeline, layer_costs, split_layers, stage_module,
-                                          stages_of_rank)
+from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, stages_of_rank
 from scaletrain.parallel.tensor_parallel import TPOptions, apply_tensor_parallel
+
+
+@dataclass
+class ParallelModel:
+    """What apply_parallelism built: the module to train, and what the training step must know to run it."""
+
+    module: nn.Module  # the wrapped model; with pp > 1 a PipelinedModel of this rank's stages
+    pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
+    loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -38,47 +49,54 @@ def _materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.M
         model.to(device)
 
 
-def _parallelize(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, parallel: ParallelConfig,
-                 precision: PrecisionConfig, init_fn: Callable[[nn.Module], None] | None) -> nn.Module:
-    """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it)."""
+def _parallelize(model: nn.Module, spec: ModelSpec | None, dims: ParallelDims, mesh, device: torch.device,
+                 parallel: ParallelConfig, precision: PrecisionConfig,
+                 init_fn: Callable[[nn.Module], None] | None) -> tuple[nn.Module, bool]:
+    """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it); returns it and whether its
+    logits are vocabulary-sharded (loss parallel)."""
+    loss_parallel = False
     if dims.tp > 1:
         loss_parallel = parallel.loss_parallel and dims.pp == 1 and parallel.tp_plan == "model" \
-            and getattr(model, "output", None) is not None
+            and spec is not None and spec.has_output(model)
         apply_tensor_parallel(model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel),
-                              parallel.tp_plan)
-        model.loss_parallel = loss_parallel  # read by the training step: loss and backward under loss_parallel()
-    apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every)
+                              parallel.tp_plan, spec)
+    apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every,
+                                   spec)
     if parallel.compile:
-        apply_compile(model)
+        apply_compile(model, spec)
     if dims.mode in ("fsdp", "hsdp"):
         model = apply_fsdp(model, mesh, dims, precision.dtype, precision.reduce_dtype,
-                           parallel.fsdp_reshard_after_forward)
+                           parallel.fsdp_reshard_after_forward, spec)
         _materialize(model, device, init_fn)
-        return model
+        return model, loss_parallel
     _materialize(model, device, init_fn)
     if dims.mode == "ddp":
-        return apply_ddp(model, mesh, device, parallel.ddp_bucket_cap_mb)
-    return model
+        return apply_ddp(model, mesh, device, parallel.ddp_bucket_cap_mb), loss_parallel
+    return model, loss_parallel
 
 
 def apply_parallelism(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, parallel: ParallelConfig,
-                      precision: PrecisionConfig, init_fn: Callable[[nn.Module], None] | None = None,
-                      microbatches: int = 1, seq_len: int | None = None) -> nn.Module:
-    """Return the model wrapped for `dims` on `mesh`, its weights on `device` (filled by init_fn if on meta).
+                      precision: PrecisionConfig, spec: ModelSpec | None = None,
+                      init_fn: Callable[[nn.Module], None] | None = None, microbatches: int = 1,
+                      seq_len: int | None = None) -> ParallelModel:
+    """The model wrapped for `dims` on `mesh`, its weights on `device` (filled by init_fn if on meta).
 
-    With pp > 1 the result is a PipelinedModel holding this rank's stages and, as .pipeline, the schedule that
-    runs `microbatches` micro-batches per step; the stage split is balanced by the cost of seq_len-token samples.
+    `spec` answers which modules are the blocks, the TP plan and the pipeline cut; a model without one (setup())
+    is read by structure and cannot be pipelined. With pp > 1 the module is a PipelinedModel of this rank's stages,
+    run by the returned pipeline over `microbatches` micro-batches per step; the stage split is balanced by the
+    cost of seq_len-token samples.
     """
     if dims.pp == 1:
-        return _parallelize(model, dims, mesh, device, parallel, precision, init_fn)
-    args = model.args
+        module, loss_parallel = _parallelize(model, spec, dims, mesh, device, parallel, precision, init_fn)
+        return ParallelModel(module, None, loss_parallel)
+    if spec is None:
+        raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
     n_stages = dims.pp * parallel.stages_per_rank
-    costs = layer_costs(args, seq_len or args.max_seq_len)
-    bounds = split_layers(costs, n_stages, parallel.pp_balance)
+    bounds = split_layers(spec.layer_costs(seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = stages_of_rank(pp_rank, dims.pp, n_stages, parallel.pp_schedule)
-    parts = [_parallelize(stage_module(model, s, n_stages, bounds[s]), dims, mesh, device, parallel, precision,
-                          init_fn) for s in stage_ids]
-    pipeline = build_pipeline(parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches)
-    pipeline.bounds = bounds
-    return PipelinedModel(parts, stage_ids, pipeline)
+    parts = [_parallelize(spec.stage(model, s, n_stages, bounds[s]), spec, dims, mesh, device, parallel, precision,
+                          init_fn)[0] for s in stage_ids]
+    pipeline = build_pipeline(parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches,
+                              bounds)
+    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False)

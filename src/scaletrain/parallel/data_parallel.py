@@ -1,6 +1,6 @@
 """Data parallelism: DDP (bucketed, overlapping the all-reduce with backward), FSDP2 (`fully_shard`) and HSDP.
 
-FSDP2 shards each transformer block (anything in a `layers` container, else the model's direct children holding
+FSDP2 shards each block (parallel/blocks.py; a model without a block container: its direct children holding
 parameters) and then the root, so one block's all-gather overlaps the previous block's compute.
 """
 
@@ -9,20 +9,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel.blocks import block_container, block_items
 from scaletrain.parallel.dims import ParallelDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
-        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+def _units(model: nn.Module, spec: ModelSpec | None) -> list[nn.Module]:
+    found = block_container(model, spec)
+    if found is not None:
+        return [b for _, b in block_items(found[1])]
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
 def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, dtype: str, reduce_dtype: str,
-               reshard_after_forward: bool) -> nn.Module:
+               reshard_after_forward: bool, spec: ModelSpec | None = None) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -30,7 +32,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, dtype: str, reduce_dt
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[reduce_dtype])
-    for block in _blocks(model):
+    for block in _units(model, spec):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

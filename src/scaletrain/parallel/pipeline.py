@@ -3,44 +3,25 @@ each rank runs its stage(s), and a schedule (GPipe, 1F1B, Interleaved1F1B, Inter
 DualPipeV) orders the micro-batches' forward and backward passes.
 
 The split (models/stages.py, shared with the planner) is balanced by estimated cost, not layer count. Stage modules
-are pruned copies of the whole model (same parameter names), so weights initialise from the same numbers as one
-process.
+are pruned copies of the whole model cut by its spec (ModelSpec.stage: same parameter names), so weights initialise
+from the same numbers as one process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaletrain.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
-from scaletrain.models.stages import layer_costs, split_layers, stage_costs  # noqa: F401 (re-exported)
+from scaletrain.models.loss import token_loss_sum
 from scaletrain.models.stages import stages_of_rank as _stages_of_rank
 
 
 def stages_of_rank(rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     """Stage indices a pipeline rank runs: rank, rank+pp, ... (looped), or rank and 2pp-1-rank (V shape)."""
     return _stages_of_rank(rank, pp, n_stages, schedule in V_SCHEDULES)
-
-
-def stage_module(model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
-    """A copy of `model` (best on the meta device, where copying is free) keeping only the blocks in `bounds`,
-    the embedding on the first stage and the final norm and output layer on the last."""
-    part = copy.deepcopy(model)
-    start, end = bounds
-    for key in list(part.layers.keys()):
-        if not start <= int(key) < end:
-            del part.layers[key]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
-    return part
 
 
 def bubble_fraction(pipeline_order: dict, n_stages: int, forward: float = 1.0, backward_input: float = 1.0,
@@ -133,7 +114,8 @@ class Pipeline:
     micro-batches; the loss (summed token cross-entropy × loss_scale per micro-batch) is computed on the last
     stage, which returns the summed token loss; other ranks return zero."""
 
-    def __init__(self, stages: list, schedule, n_stages: int, n_microbatches: int, schedule_name: str):
+    def __init__(self, stages: list, schedule, n_stages: int, n_microbatches: int, schedule_name: str,
+                 bounds: list[tuple[int, int]]):
         self.stages = stages
         self.schedule = schedule
         self.n_stages = n_stages
@@ -142,7 +124,7 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.loss_scale = 1.0
-        self.bounds: list[tuple[int, int]] | None = None  # layer range of every stage, set by the builder
+        self.bounds = bounds  # [start, end) block range of every stage
         self._token_losses: list[torch.Tensor] = []
         order = getattr(schedule, "pipeline_order", None)
         self.bubble = bubble_fraction(order, n_stages, 1.0, 1.0, 1.0) if order else None
@@ -152,7 +134,7 @@ class Pipeline:
             self.bubble = (n_stages - 1) / (n_microbatches + n_stages - 1)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+        loss = token_loss_sum(logits, targets)
         self._token_losses.append(loss.detach())
         return loss * self.loss_scale
 
@@ -183,23 +165,22 @@ class Pipeline:
 
     def describe(self) -> str:
         bubble = f", bubble {self.bubble:.1%} (equal-cost stages, F:B = 1:2)" if self.bubble is not None else ""
-        layers = f" (layers {' '.join(f'{a}-{b - 1}' for a, b in self.bounds)})" if self.bounds else ""
+        layers = f" (layers {' '.join(f'{a}-{b - 1}' for a, b in self.bounds)})"
         return (f"pipeline {self.schedule_name}: {self.n_stages} stages{layers}, {self.n_microbatches} "
                 f"micro-batches{bubble}")
 
 
 class PipelinedModel(nn.ModuleList):
-    """This rank's pipeline stage modules (each a pruned copy of the model, possibly wrapped by TP/FSDP/DDP),
-    with the Pipeline that runs them."""
+    """This rank's pipeline stage modules (each a pruned copy of the model, possibly wrapped by TP/FSDP/DDP); a
+    checkpoint names their parameters `<position>.<plain name>`."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], pipeline: Pipeline | None = None):
+    def __init__(self, parts: list[nn.Module], stage_ids: list[int]):
         super().__init__(parts)
         self.stage_ids = stage_ids
-        self.pipeline = pipeline
 
 
 def build_pipeline(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh, device: torch.device,
-                   schedule_name: str, n_microbatches: int) -> Pipeline:
+                   schedule_name: str, n_microbatches: int, bounds: list[tuple[int, int]]) -> Pipeline:
     """PipelineStages for this rank's parts and the named schedule over them (gradients not rescaled: the loss
     already carries the step's normalisation)."""
     from torch.distributed.pipelining import PipelineStage
@@ -227,6 +208,6 @@ def build_pipeline(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
         schedule = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-    pipeline = Pipeline(stages, schedule, n_stages, n_microbatches, schedule_name)
+    pipeline = Pipeline(stages, schedule, n_stages, n_microbatches, schedule_name, bounds)
     holder["pipeline"] = pipeline
     return pipeline

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from scaletrain.models.llama import plain_param_name
+from scaletrain.models.naming import plain_param_name
+from scaletrain.parallel.pipeline import PipelinedModel
+
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{plain name: full tensor on CPU} of the parameters this rank holds: the whole model, or under pipeline
@@ -14,7 +16,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     a stage must call this (a collective). Memory: the stage's full parameters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    parts = list(model) if getattr(model, "pipeline", None) is not None else [model]
+    parts = list(model) if isinstance(model, PipelinedModel) else [model]
     out: dict[str, torch.Tensor] = {}
     for part in parts:
         state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))

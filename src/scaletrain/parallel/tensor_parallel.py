@@ -7,8 +7,9 @@ the hidden dim (a vocabulary split would get a full-size gradient back on every 
 vocabulary column; with loss parallelism the cross-entropy runs on the vocabulary shards and the full logits are
 never gathered.
 
-Two plans: the hand-written one for the built-in Llama (`llama_tp_plan`), and `auto_tp_plan` for any standard
-decoder (Hugging Face Llama, Mistral, Qwen ...), which finds each block's linears by structure.
+Two plans: the one a model's spec writes (ModelSpec.tp_plan; the built-in Llama's is models/llama/parallelize.py),
+and `auto_tp_plan` for any standard decoder (Hugging Face Llama, Mistral, Qwen ...), which finds each block's
+linears by structure.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
+
+from scaletrain.models.spec import ModelSpec
+from scaletrain.parallel.blocks import block_container, block_items
 
 OUTPUT_NAMES = ("o_proj", "out_proj", "wo", "down_proj", "w2", "c_proj", "dense", "fc2")
 
@@ -26,65 +30,13 @@ class TPOptions:
     loss_parallel: bool = False  # output layer returns vocabulary-sharded DTensor logits
 
 
-def check_tp_divides(tp: int, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int) -> None:
-    """Raise ValueError (one line, naming the field) when tp cannot split the model's heads or matmuls evenly."""
-    for field, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim),
-                         ("dim", dim), ("vocab_size", vocab_size)):
-        if value % tp:
-            raise ValueError(f"parallel.tp: {tp} does not divide model.{field}={value}; "
-                             f"pick a tp that divides it (each rank needs a whole share)")
-
-
-def llama_tp_plan(model: nn.Module, opts: TPOptions) -> dict:
-    """{module path: ParallelStyle} for the built-in Llama (and any pipeline stage of it)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-
-    sp = opts.sequence_parallel
-    act = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
-    plan: dict = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        # sharded on the hidden dim, not the vocabulary: torch 2.13 returns a vocabulary-sharded (RowwiseParallel)
-        # embedding's gradient as a full Replicate tensor on every rank (tests/test_plan_distributed.py)
-        plan["tok_embeddings"] = ColwiseParallel(input_layouts=Replicate(), output_layouts=act)
-    if getattr(model, "norm", None) is not None and sp:
-        plan["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(input_layouts=act,
-                                         output_layouts=Shard(-1) if opts.loss_parallel else Replicate(),
-                                         use_local_output=not opts.loss_parallel)
-    for name in model.layers:
-        p = f"layers.{name}."
-        plan.update({
-            p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
-            p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(output_layouts=act),
-            p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
-            p + "feed_forward.w2": RowwiseParallel(output_layouts=act),
-        })
-        if sp:
-            plan.update({
-                p + "attention_norm": SequenceParallel(), p + "ffn_norm": SequenceParallel(),
-                # the rotary tables (2nd, 3rd inputs) are plain tensors every rank holds whole
-                p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
-                p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                       desired_input_layouts=(Replicate(),)),
-            })
-    return plan
-
-
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(path, block) of every transformer block: the entries of the largest ModuleList/ModuleDict."""
-    best: tuple[str, nn.Module] | None = None
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and (best is None or len(m) > len(best[1])):
-            best = (path, m)
-    if best is None:
+    """(path, block) of every block, by the shared rule (parallel/blocks.py)."""
+    found = block_container(model)
+    if found is None:
         return []
-    path, container = best
-    items = container.items() if isinstance(container, nn.ModuleDict) else enumerate(container)
-    return [(f"{path}.{k}" if path else str(k), b) for k, b in items]
+    path, container = found
+    return [(f"{path}.{k}" if path else k, b) for k, b in block_items(container)]
 
 
 def _split_group(linears: list[tuple[str, nn.Linear]], hidden: int) -> tuple[list[str], str] | None:
@@ -141,20 +93,23 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
         if name.startswith(inside):
             continue
         if isinstance(m, nn.Embedding):
-            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # see llama_tp_plan
+            # on the hidden dim, as the built-in plan (models/llama/parallelize.py) and for the same reason
+            plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif isinstance(m, nn.Linear) and m.in_features == hidden:
             plan[name] = ColwiseParallel(output_layouts=Replicate())
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, opts: TPOptions, plan: str = "model") -> nn.Module:
-    """Shard `model` (or a pipeline stage of it) over tp_mesh in place. Works on the meta device: the weights
-    are filled afterwards by init_weights, which distributes each full tensor."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh, opts: TPOptions, plan: str = "model",
+                          spec: ModelSpec | None = None) -> nn.Module:
+    """Shard `model` (or a pipeline stage of it) over tp_mesh in place: the spec's plan (plan='model'), or the
+    structural one (plan='auto', or a model without a spec). Works on the meta device: the weights are filled
+    afterwards by the spec's init_weights, which distributes each full tensor."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if plan == "auto" or not hasattr(model, "layers"):
+    if plan == "auto" or spec is None:
         styles = auto_tp_plan(model)
     else:
-        styles = llama_tp_plan(model, opts)
+        styles = spec.tp_plan(model, opts.sequence_parallel, opts.loss_parallel)
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     return model

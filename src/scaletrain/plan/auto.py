@@ -85,12 +85,16 @@ def local_cluster(gpu: str, nproc: int, nnodes: int, calibration: str | None = N
 def auto_plan(path: str | None, overrides: list[str], nproc: int, nnodes: int, gpu: str,
               calibration: str | None = None) -> AutoPlan:
     """The planner's fastest layout for this job that passes the trainer's preflight. ValueError: one line."""
-    from scaletrain.models.registry import model_args
+    from scaletrain.models.registry import model_spec
     from scaletrain.train.preflight import resolve_job
 
     cfg = load_config(path, overrides)
     world = nproc * nnodes
-    args = model_args(cfg.model)
+    spec = model_spec(cfg.model)
+    args = spec.shape()
+    if args is None:
+        raise ValueError(f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
+                         f"set the layout with parallel.* instead")
     work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)

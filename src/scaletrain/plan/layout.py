@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from scaletrain.models.llama import LlamaArgs
+from scaletrain.models.spec import DecoderShape
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -19,7 +19,7 @@ class Workload:
     """A model and the batch it trains on: global_batch sequences of seq_len tokens per optimizer step."""
 
     model_name: str
-    args: LlamaArgs
+    args: DecoderShape
     seq_len: int
     global_batch: int
 
@@ -29,7 +29,7 @@ class Workload:
 
     @property
     def model_flops_per_token(self) -> float:
-        """Training FLOPs per token, PaLM appendix B convention: 6N + 12·L·h·s (as LlamaArgs.flops_per_token)."""
+        """Training FLOPs per token, PaLM appendix B convention: 6N + 12·L·h·s (as DecoderShape.flops_per_token)."""
         return self.args.flops_per_token(self.seq_len)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
-from scaletrain.models.llama import LlamaArgs
+from scaletrain.models.spec import DecoderShape
 from scaletrain.plan.layout import ELEMENT_BYTES, PRECISIONS, LayoutGrid, Workload
 from scaletrain.plan.pipeline import activations_in_flight
 from scaletrain.plan.shapes import layout_columns, rank_params
@@ -80,7 +80,7 @@ def rmsnorm_saved_bytes_per_token(h: int, elem_bytes: int, fused: bool = True) -
     return (elem_bytes * h + 4.0) if fused else (8.0 * h + 4.0)
 
 
-def llama_layer_activation_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1, ac: str = "none",
+def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: str = "none",
                                            fused_norm: bool = True):
     """Bytes one Llama block (RMSNorm, GQA attention through SDPA/flash, SwiGLU) keeps for backward per token.
 
@@ -109,7 +109,7 @@ def llama_layer_activation_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1, ac
     return 2 * norm / t + 2 * e * h + 4 * e * h / t + 4 * a / t + 4 * e * f / t
 
 
-def output_layer_saved_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1, fused_norm: bool = True):
+def output_layer_saved_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, fused_norm: bool = True):
     """Bytes the final norm, output projection and cross-entropy save for backward per token: norm, the
     projection's input, fp32 log-softmax output (vocabulary sharded with loss parallelism), int64 target."""
     e = np.asarray(elem_bytes, dtype=np.float64)
@@ -118,7 +118,7 @@ def output_layer_saved_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1, fused_
     return rmsnorm_saved_bytes_per_token(args.dim, e, fused_norm) / t + e * h + 4.0 * v / t + 8.0
 
 
-def output_layer_transient_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1):
+def output_layer_transient_bytes_per_token(args: DecoderShape, elem_bytes, tp=1):
     """Short-lived bytes at the loss per token on top of what is saved: the logits in the compute dtype and their
     fp32 copy (or, in backward, their gradients) — the trainer computes cross-entropy on logits.float()."""
     e = np.asarray(elem_bytes, dtype=np.float64)
@@ -126,7 +126,7 @@ def output_layer_transient_bytes_per_token(args: LlamaArgs, elem_bytes, tp=1):
     return e * v + np.where(e < 4, 4.0 * v, 0.0)
 
 
-def trainer_model_state_bytes(args: LlamaArgs, tp: int = 1, pp: int = 1, dp_shard: int = 1,
+def trainer_model_state_bytes(args: DecoderShape, tp: int = 1, pp: int = 1, dp_shard: int = 1,
                               seq_len: int | None = None, stages_per_rank: int = 1, v_shaped: bool = False,
                               pp_rank: int | None = None) -> dict[str, float]:
     """Bytes of parameters, gradients and AdamW states as scaletrain's trainer keeps them, on pipeline rank
@@ -165,7 +165,7 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
     for code, mode in enumerate(("none", "selective", "full")):
         sel = grid.ac == code
         if sel.any():
-            per = llama_layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
+            per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
             act[sel] = per * tok[sel]  # one block's, per micro-batch
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
     out = (output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
@@ -178,7 +178,7 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
     lines["activations"] = np.where((grid.pp == 1) | v_shaped, first,
                                     np.where(first >= last, first, act * cols["layers_head"] * last_in_flight))
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shaped | (last > first), out, 0.0)
-    one_layer = llama_layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
+    one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)
 
     groups = ((grid.dp_replicate > 1).astype(float) + fsdp + (grid.tp > 1) + (grid.pp > 1) + (grid.cp > 1))

@@ -1,5 +1,6 @@
 """The model as the planner counts it: parameters per rank after the trainer's pipeline split, tensor and FSDP
-sharding; FLOPs per token. Derived from LlamaArgs without building anything."""
+sharding; FLOPs per token. Derived from a DecoderShape without building
+anything."""
 
 from __future__ import annotations
 
@@ -7,20 +8,20 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from scaletrain.models.llama import LlamaArgs
+from scaletrain.models.spec import DecoderShape
 from scaletrain.models.stages import rank_layers
 
 # how tensor parallelism shards each weight (parallel/tensor_parallel.py): colwise linears on dim 0, rowwise on
 # dim 1; the embedding on the hidden dim (1), the output layer on the vocabulary (0); norms are replicated
-_TP_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "wo": 1, "w2": 1, "tok_embeddings": 1, "output": 0}
+_TP_DIM = {"q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1, "embedding": 1, "output": 0}
 
 
-def layer_param_shapes(args: LlamaArgs) -> list[tuple[str, tuple[int, ...]]]:
+def layer_param_shapes(args: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of one transformer block's parameters, in the order the block registers them."""
     h, kv = args.dim, args.n_kv_heads * args.head_dim
-    return [("attention_norm", (h,)), ("wq", (args.n_heads * args.head_dim, h)), ("wk", (kv, h)),
-            ("wv", (kv, h)), ("wo", (h, args.n_heads * args.head_dim)), ("ffn_norm", (h,)),
-            ("w1", (args.ffn_dim, h)), ("w2", (h, args.ffn_dim)), ("w3", (args.ffn_dim, h))]
+    return [("attention_norm", (h,)), ("q", (args.n_heads * args.head_dim, h)), ("k", (kv, h)),
+            ("v", (kv, h)), ("o", (h, args.n_heads * args.head_dim)), ("ffn_norm", (h,)),
+            ("gate", (args.ffn_dim, h)), ("down", (h, args.ffn_dim)), ("up", (args.ffn_dim, h))]
 
 
 def _shard_rows(n: int, parts: int) -> int:
@@ -40,13 +41,13 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, dp_shard: int) -> in
 
 
 @lru_cache(maxsize=8192)
-def rank_params(args: LlamaArgs, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
+def rank_params(args: DecoderShape, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
                 stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[tuple[int, int], ...]:
     """(parameter elements, parameter tensors) of each pipeline rank's largest data-parallel rank, after the
     trainer's stage split (models/stages.py), TP (parallel/tensor_parallel.py) and FSDP2's dim-0 sharding."""
     layer = sum(local_numel(n, s, tp, dp_shard) for n, s in layer_param_shapes(args))
     n_layer_tensors = len(layer_param_shapes(args))
-    emb = local_numel("tok_embeddings", (args.vocab_size, args.dim), tp, dp_shard)
+    emb = local_numel("embedding", (args.vocab_size, args.dim), tp, dp_shard)
     head = local_numel("norm", (args.dim,), tp, dp_shard) + local_numel("output", (args.vocab_size, args.dim), tp,
                                                                         dp_shard)
     out = []
@@ -56,33 +57,33 @@ def rank_params(args: LlamaArgs, tp: int, pp: int, dp_shard: int, seq_len: int |
     return tuple(out)
 
 
-def params_per_rank(args: LlamaArgs, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
+def params_per_rank(args: DecoderShape, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
                     stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[int, int]:
     """(parameter elements, parameter tensors) on the rank that holds the most; exact for that rank."""
     return max(rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank, v_shaped))
 
 
-def layer_params(args: LlamaArgs) -> int:
+def layer_params(args: DecoderShape) -> int:
     """Parameters of one transformer block."""
     return sum(math.prod(s) for _, s in layer_param_shapes(args))
 
 
-def matmul_flops_per_token_layer(args: LlamaArgs) -> float:
+def matmul_flops_per_token_layer(args: DecoderShape) -> float:
     """Forward FLOPs of one block's weight matmuls per token (2 per multiply-add)."""
     return 2.0 * sum(math.prod(s) for n, s in layer_param_shapes(args) if len(s) == 2)
 
 
-def attention_flops_per_token_layer(args: LlamaArgs, seq_len: int) -> float:
+def attention_flops_per_token_layer(args: DecoderShape, seq_len: int) -> float:
     """Forward FLOPs of causal attention (QK^T and AV, half the square masked) per token, one block."""
     return 2.0 * seq_len * args.n_heads * args.head_dim
 
 
-def output_flops_per_token(args: LlamaArgs) -> float:
+def output_flops_per_token(args: DecoderShape) -> float:
     """Forward FLOPs of the output projection per token."""
     return 2.0 * args.dim * args.vocab_size
 
 
-def llama_args_for_params(n_params: float, vocab_size: int = 128256, seq_len: int = 8192) -> LlamaArgs:
+def decoder_shape_for_params(n_params: float, vocab_size: int = 128256, seq_len: int = 8192) -> DecoderShape:
     """A Llama-3-shaped model of about `n_params` parameters: head size 128, 8 KV heads, FFN ~3.5 x dim,
     depth ~ dim / 128 (the aspect ratio of Llama 3.1 8B and 405B)."""
     if n_params < 1e8:
@@ -91,15 +92,15 @@ def llama_args_for_params(n_params: float, vocab_size: int = 128256, seq_len: in
     dim = (n_params * 128 / 12.5) ** (1 / 3)
     dim = max(1024, int(round(dim / 1024)) * 1024)
     ffn = int(round(3.5 * dim / 256)) * 256
-    probe = LlamaArgs(dim=dim, n_layers=1, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn, vocab_size=vocab_size,
-                      max_seq_len=seq_len, rope_theta=500000.0)
+    probe = DecoderShape(dim=dim, n_layers=1, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn, vocab_size=vocab_size,
+                         max_seq_len=seq_len)
     per_layer = layer_params(probe)
     layers = max(1, round((n_params - 2 * vocab_size * dim) / per_layer))
-    return LlamaArgs(dim=dim, n_layers=layers, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn,
-                     vocab_size=vocab_size, max_seq_len=seq_len, rope_theta=500000.0)
+    return DecoderShape(dim=dim, n_layers=layers, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn,
+                        vocab_size=vocab_size, max_seq_len=seq_len)
 
 
-def param_columns(args: LlamaArgs, tp, pp, dp_shard, seq_len: int | None = None, stages_per_rank=1,
+def param_columns(args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = None, stages_per_rank=1,
                   v_shaped=False) -> dict:
     """Per-layout counts for equal-length arrays (tp, pp, dp_shard, stages_per_rank, v_shaped), the stages split
     as the trainer splits them:
@@ -129,7 +130,7 @@ def param_columns(args: LlamaArgs, tp, pp, dp_shard, seq_len: int | None = None,
     cols = np.array(rows, dtype=np.float64)[inverse.reshape(-1)]
     tp_f = np.asarray(tp, dtype=np.float64)
     layer_tp = _layer_tp_lookup(args, tp_f)
-    root = (local_numel("tok_embeddings", (args.vocab_size, args.dim), 1, 1) * 2 + args.dim) / tp_f
+    root = (local_numel("embedding", (args.vocab_size, args.dim), 1, 1) * 2 + args.dim) / tp_f
     return {"n_local": cols[:, 0], "n_tensors": cols[:, 1], "n_tp": cols[:, 2], "layers": cols[:, 3],
             "layers_first": cols[:, 4], "layers_head": cols[:, 5], "layers_body": cols[:, 6],
             "layer_tp": layer_tp, "root_tp": root}
@@ -141,7 +142,7 @@ def layout_columns(work, grid) -> dict:
                          grid.schedule >= 5)
 
 
-def _layer_tp_lookup(args: LlamaArgs, tp_f):
+def _layer_tp_lookup(args: DecoderShape, tp_f):
     import numpy as np
 
     uniq, inverse = np.unique(tp_f, return_inverse=True)

@@ -13,6 +13,7 @@ from torch import nn
 
 from scaletrain.parallel.data_parallel import DTYPES, uses_autocast
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.pipeline import Pipeline
 
 
 def rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
@@ -77,7 +78,7 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, total_norm: torch.T
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
     """A model and optimizer prepared for a layout. Use in a loop as:
 
@@ -99,11 +100,12 @@ class Job:
     dtype: str = "fp32"
     grad_clip: float = 0.0
     scaler: object | None = None
+    pipeline: Pipeline | None = None  # the schedule running this rank's stages (pp > 1)
+    loss_parallel: bool = False  # logits are vocabulary-sharded: loss and backward under loss_parallel()
     _params: list = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.pipeline = getattr(self.model, "pipeline", None)
         self._pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         # one rank per data-parallel coordinate reports the loss: the last pipeline stage's first TP rank
         tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp > 1 else 0

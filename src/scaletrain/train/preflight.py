@@ -10,15 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.config.schema import JobConfig
-from scaletrain.models.llama import LlamaArgs
-from scaletrain.models.registry import model_args
+from scaletrain.models.registry import model_spec
+from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.tensor_parallel import check_tp_divides
 
 
 @dataclass(frozen=True)
 class ResolvedJob:
-    args: LlamaArgs
+    spec: ModelSpec
     dims: ParallelDims
     micro_batch: int
     accumulation: int
@@ -46,12 +45,12 @@ def _stream_tokens(cfg: JobConfig) -> int:
 
 def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     """Check the config against a world size; raise ValueError whose message names the field and the fix."""
-    args = model_args(cfg.model)
-    if cfg.data.source == "stdlib" and args.vocab_size < 256:
+    spec = model_spec(cfg.model)
+    if cfg.data.source == "stdlib" and spec.vocab_size < 256:
         raise ValueError(f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has "
-                         f"{args.vocab_size}")
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {args.max_seq_len}; "
+                         f"{spec.vocab_size}")
+    if cfg.data.seq_len > spec.max_seq_len:
+        raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
                          f"lower data.seq_len or raise model.max_seq_len")
     if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
         raise ValueError(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
@@ -64,7 +63,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     if gb % (micro * dims.dp):
         raise ValueError(f"train.micro_batch_size: {gb} sequences per step do not split into micro-batches of "
                          f"{micro} on {dims.dp} data-parallel ranks; pick a divisor of {gb // dims.dp}")
-    check_layout(cfg, args, dims)
+    check_layout(cfg, spec, dims)
     if dims.pp > 1:
         micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
     n_tokens = _stream_tokens(cfg)
@@ -72,10 +71,10 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     if (n_tokens - n_val - 1) // cfg.data.seq_len < gb or (n_val - 1) // cfg.data.seq_len < 1:
         raise ValueError(f"data: {n_tokens} tokens are too few for a global batch of {gb} x {cfg.data.seq_len} "
                          f"tokens plus a validation split; add data or lower train.global_batch_size")
-    return ResolvedJob(args=args, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
+    return ResolvedJob(spec=spec, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
 
 
-def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
+def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     """Layouts that cannot run, refused before launch with one line naming the field: TP degrees that do not
     split the heads or matmuls, more pipeline stages than layers, combinations torch does not support."""
     p = cfg.parallel
@@ -84,7 +83,7 @@ def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
             raise ValueError(f"parallel.tp: DDP (dp_replicate={dims.dp_replicate}, dp_shard=1) does not combine "
                              f"with tensor parallelism; shard instead (parallel.dp_shard={dims.dp_replicate} "
                              f"parallel.dp_replicate=1) or use HSDP")
-        check_tp_divides(dims.tp, args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size)
+        spec.check_tp(dims.tp)
         if p.sequence_parallel and cfg.data.seq_len % dims.tp:
             raise ValueError(f"parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not divisible by "
                              f"parallel.tp={dims.tp}")
@@ -93,9 +92,9 @@ def check_layout(cfg: JobConfig, args: LlamaArgs, dims: ParallelDims) -> None:
                              "only the linears)")
     if dims.pp > 1:
         stages = dims.pp * p.stages_per_rank
-        if stages > args.n_layers:
+        if stages > spec.n_blocks:
             raise ValueError(f"parallel.pp: {dims.pp} x {p.stages_per_rank} stage(s) per rank = {stages} pipeline "
-                             f"stages, but the model has only {args.n_layers} layers; lower parallel.pp")
+                             f"stages, but the model has only {spec.n_blocks} layers; lower parallel.pp")
         if cfg.precision.dtype == "fp16":
             raise ValueError("precision.dtype: fp16 loss scaling does not run inside a pipeline schedule; "
                              "use bf16 with parallel.pp > 1")

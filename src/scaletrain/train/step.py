@@ -14,9 +14,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from scaletrain.data import Batch, DistributedLoader
+from scaletrain.models.loss import token_loss_sum as _token_loss_sum
 from scaletrain.monitor.timing import NULL_TIMER
 from scaletrain.train.job import Job
 
@@ -32,7 +32,7 @@ def sum_over_ranks(value: torch.Tensor) -> float:
 def _loss_context(job: Job):
     """With loss parallelism the logits stay sharded over the vocabulary; cross-entropy and its backward must both
     run under torch's loss_parallel()."""
-    if getattr(job.model, "loss_parallel", False):
+    if job.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
@@ -47,7 +47,7 @@ def token_loss_sum(job: Job, inputs: torch.Tensor, targets: torch.Tensor) -> tor
     """Summed cross-entropy over every target token of the micro-batch (logits in fp32)."""
     with job.autocast():
         logits = job.model(inputs.to(job.device, non_blocking=True))
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.to(job.device).flatten(), reduction="sum")
+    return _token_loss_sum(logits, targets.to(job.device))
 
 
 def _owned(job: Job, loss_sum: torch.Tensor) -> torch.Tensor:

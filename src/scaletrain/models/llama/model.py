@@ -8,52 +8,12 @@ some of them; `tok_embeddings`, `norm` and `output` may be None on stages that d
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    max_seq_len: int
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def check(self) -> None:
-        """Raise ValueError naming the field when the shape is not a valid decoder."""
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim: {self.dim} is not divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ValueError(f"model.dim: head size {self.head_dim} must be even for rotary embeddings")
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count (untied input and output embeddings)."""
-        attn = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
-        emb = self.vocab_size * self.dim
-        return self.n_layers * per_layer + self.dim + emb + (emb if include_embedding else 0)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·N (non-embedding matmuls plus the output layer) + 12·L·h·s attention,
-        the PaLM appendix B convention (also nanoGPT's estimate_mfu)."""
-        n = self.num_params(include_embedding=False)
-        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+from scaletrain.models.llama.args import LlamaArgs
 
 
 def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,39 +129,3 @@ def param_init_std(name: str, args: LlamaArgs) -> float | None:
     if leaf[-2] in ("wo", "w2"):  # residual projections scaled by depth (GPT-2 / torchtitan convention)
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
-
-
-WRAPPER_NAMES = ("module", "_checkpoint_wrapped_module", "_orig_mod")  # DDP, activation checkpointing, compile
-
-
-def plain_param_name(name: str) -> str:
-    """A parameter name without the path components wrappers insert (`layers.0._checkpoint_wrapped_module.w` ->
-    `layers.0.w`), so a wrapped model initialises and saves under the plain model's names."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-
-
-def init_weights(model: nn.Module, args: LlamaArgs, seed: int) -> None:
-    """Fill every parameter deterministically from (seed, parameter name), whatever the layout.
-
-    Each full tensor is drawn from its own generator and each rank keeps its shard, so a model sharded by FSDP,
-    TP or PP starts from the same numbers as the single-process one. Memory: one full parameter at a time.
-    """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            clean = plain_param_name(name)
-            std = param_init_std(clean, args)
-            if std is None:
-                full = torch.ones(p.shape, dtype=torch.float32)
-            else:
-                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(clean.encode()))
-                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            if isinstance(p, DTensor):
-                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p.to_local().copy_(local)
-            else:
-                p.copy_(full)
-    for m in model.modules():
-        if isinstance(m, Llama):
-            m.init_buffers()

@@ -1,0 +1,73 @@
+"""The built-in Llama's answers to the ModelSpec questions."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scaletrain.models.llama.args import LlamaArgs
+from scaletrain.models.spec import DecoderShape, HFAdapter, ModelSpec, check_tp_divides, prune_stage
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from scaletrain.models.llama.model import Llama
+
+
+class LlamaSpec(ModelSpec):
+    family = "llama"
+    args_type = LlamaArgs
+
+    args: LlamaArgs
+
+    def check(self) -> None:
+        self.args.check()
+
+    def build(self, device: torch.device | str = "meta") -> Llama:
+        import torch
+
+        from scaletrain.models.llama.model import Llama
+
+        with torch.device(device):
+            return Llama(self.args)
+
+    def param_init_std(self, name: str) -> float | None:
+        from scaletrain.models.llama.model import param_init_std
+
+        return param_init_std(name, self.args)
+
+    def init_buffers(self, model: nn.Module) -> None:
+        from scaletrain.models.llama.model import Llama
+
+        for m in model.modules():
+            if isinstance(m, Llama):
+                m.init_buffers()
+
+    def blocks(self, model: nn.Module) -> nn.ModuleDict:
+        return model.layers
+
+    def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
+        drop = (() if stage == 0 else ("tok_embeddings",)) + (() if stage == n_stages - 1 else ("norm", "output"))
+        return prune_stage(model, "layers", bounds, drop)
+
+    def has_output(self, model: nn.Module) -> bool:
+        return getattr(model, "output", None) is not None
+
+    def check_tp(self, tp: int) -> None:
+        a = self.args
+        check_tp_divides(tp, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim,
+                         vocab_size=a.vocab_size)
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        from scaletrain.models.llama.parallelize import llama_tp_plan
+
+        return llama_tp_plan(model, sequence_parallel, loss_parallel)
+
+    def shape(self) -> DecoderShape:
+        return self.args
+
+    @property
+    def hf(self) -> HFAdapter:
+        from scaletrain.models.llama.hf import LlamaHF
+
+        return LlamaHF(self.args)

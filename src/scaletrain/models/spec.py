@@ -1,0 +1,247 @@
+"""The seam between a model family and everything else: a `ModelSpec` answers every question the trainer, the
+parallel layouts, checkpoints and the planner ask of a model, so none of them names a model's modules.
+
+A family is one folder under `models/` whose package exports `SPEC` (a ModelSpec subclass) and `PRESETS`
+({name: args}); the registry finds it (models/registry.py). What a spec answers:
+
+- build on the meta device (`build`), fill weights deterministically by parameter name (`init_weights`);
+- the ordered container of its blocks (`blocks`): the one rule FSDP, activation checkpointing, compile and the
+  pipeline split use; keys are the global block index, so a pipeline stage keeps the whole model's names;
+- how to cut a pipeline stage (`stage`) and the training cost of each block (`layer_costs`) to balance the cut;
+- its tensor-parallel plan (`tp_plan`) and what tensor parallelism needs to divide (`check_tp`);
+- FLOPs per token, parameter count, the decoder shape the planner models (`shape`);
+- its manifest entry (`manifest`), so a checkpoint rebuilds the model without the job config;
+- a Hugging Face state adapter (`hf`), when the family has a transformers counterpart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from scaletrain.models.naming import plain_param_name
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The shape of a decoder-only transformer as the planner counts it (untied input and output embeddings)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count: attention (GQA), SwiGLU MLP, two norms per block, final norm, output (+ embedding)."""
+        attn = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        return self.n_layers * per_layer + self.dim + emb + (emb if include_embedding else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N (non-embedding matmuls plus the output layer) + 12·L·h·s attention,
+        the PaLM appendix B convention (also nanoGPT's estimate_mfu)."""
+        n = self.num_params(include_embedding=False)
+        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+
+
+class HFAdapter(ABC):
+    """Mapping between a family's state dict and a Hugging Face transformers checkpoint of the same model."""
+
+    @abstractmethod
+    def config(self) -> dict:
+        """transformers config.json for this model."""
+
+    @abstractmethod
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our names and layouts -> Hugging Face's."""
+
+    @abstractmethod
+    def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hugging Face names and layouts -> ours (KeyError names a parameter without a mapping)."""
+
+    @abstractmethod
+    def check_config(self, hf_config: dict) -> None:
+        """ValueError (one line) when a Hugging Face config.json describes another model than this one."""
+
+
+class ModelSpec(ABC):
+    """One model family's answers, bound to one shape (`args`, the family's own frozen dataclass)."""
+
+    family: ClassVar[str]
+    args_type: ClassVar[type]
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    # -- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_overrides(cls, args: Any, overrides: dict[str, Any]) -> ModelSpec:
+        """This family's spec for `args` with `model.*` overrides applied; ValueError names a field the family
+        does not have or a shape it cannot build."""
+        known = {f.name for f in dataclasses.fields(args)}
+        for key in overrides:
+            if key not in known:
+                raise ValueError(f"model.{key}: the {cls.family} family has no such field; it has "
+                                 f"{', '.join(sorted(known))}")
+        spec = cls(dataclasses.replace(args, **overrides))
+        spec.check()
+        return spec
+
+    def check(self) -> None:
+        """ValueError naming the field when the shape cannot be built."""
+
+    @abstractmethod
+    def build(self, device: torch.device | str = "meta") -> nn.Module:
+        """The whole model on `device` (default meta: no memory, no time); weights come from init_weights."""
+
+    @abstractmethod
+    def param_init_std(self, name: str) -> float | None:
+        """Initial std of a parameter by its plain name; None: ones (norm weights); 0.0: zeros (biases)."""
+
+    def init_buffers(self, model: nn.Module) -> None:
+        """Recompute non-persistent buffers after `to_empty()` (e.g. rotary tables)."""
+
+    def init_weights(self, model: nn.Module, seed: int) -> None:
+        """Fill every parameter deterministically from (seed, plain parameter name), whatever the layout."""
+        init_by_name(model, seed, self.param_init_std)
+        self.init_buffers(model)
+
+    # -- structure ------------------------------------------------------------------------------------------
+    @abstractmethod
+    def blocks(self, model: nn.Module) -> nn.ModuleDict:
+        """The container of the repeated blocks (keys: global block index as str), on the model or a stage."""
+
+    @abstractmethod
+    def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
+        """A pipeline stage: a copy of `model` (on meta, copying is free) keeping blocks [bounds) and what the
+        first / last stage owns; parameter names stay those of the whole model."""
+
+    @abstractmethod
+    def has_output(self, model: nn.Module) -> bool:
+        """Does this module (the model or a stage of it) compute the logits?"""
+
+    def layer_costs(self, seq_len: int) -> list[float]:
+        """Training FLOPs per token of each block, embedding on the first, head + loss on the last."""
+        from scaletrain.models.stages import layer_costs
+
+        return layer_costs(self._shape(), seq_len)
+
+    # -- tensor parallelism ---------------------------------------------------------------------------------
+    def check_tp(self, tp: int) -> None:
+        """ValueError (one line) when `tp` cannot split this model's heads or matmuls."""
+        raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """{module path: ParallelStyle} for `model` (or a stage of it)."""
+        raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
+
+    # -- numbers --------------------------------------------------------------------------------------------
+    def shape(self) -> DecoderShape | None:
+        """The decoder shape the planner models for this model; None for a family the planner cannot model
+        (which then answers the numbers below itself)."""
+        return None
+
+    def _shape(self) -> DecoderShape:
+        shape = self.shape()
+        if shape is None:
+            raise NotImplementedError(f"the {self.family} family has no decoder shape: it must answer this itself")
+        return shape
+
+    @property
+    def n_blocks(self) -> int:
+        return self._shape().n_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self._shape().vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._shape().max_seq_len
+
+    def num_params(self) -> int:
+        return self._shape().num_params()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (the MFU numerator)."""
+        return self._shape().flops_per_token(seq_len)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def manifest(self) -> dict:
+        """What a checkpoint records to rebuild this model (registry.spec_from_manifest reads it back)."""
+        return {"family": self.family, "args": dataclasses.asdict(self.args)}
+
+    @property
+    def hf(self) -> HFAdapter | None:
+        """The Hugging Face adapter, or None when the family has no transformers counterpart."""
+        return None
+
+    def describe(self) -> str:
+        return f"{self.family} {self.args}"
+
+
+def init_by_name(model: nn.Module, seed: int, std_of: Callable[[str], float | None]) -> None:
+    """Fill every parameter of `model` from its own generator seeded by (seed, plain name); each rank keeps its
+    shard of DTensors, so a model sharded by FSDP, TP or PP starts from the same numbers as the single-process
+    one. Memory: one full parameter at a time."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            clean = plain_param_name(name)
+            std = std_of(clean)
+            if std is None:
+                full = torch.ones(p.shape, dtype=torch.float32)
+            elif std == 0.0:
+                full = torch.zeros(p.shape, dtype=torch.float32)
+            else:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(clean.encode()))
+                full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            if isinstance(p, DTensor):
+                local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.copy_(full)
+
+
+def prune_stage(model: nn.Module, blocks: str, bounds: tuple[int, int], drop: tuple[str, ...]) -> nn.Module:
+    """A deep copy of `model` keeping the entries [bounds) of its ModuleDict `blocks` and with the attributes in
+    `drop` set to None (what another stage owns). The family's forward skips None parts."""
+    import copy
+
+    part = copy.deepcopy(model)
+    container = getattr(part, blocks)
+    start, end = bounds
+    for key in list(container.keys()):
+        if not start <= int(key) < end:
+            del container[key]
+    for name in drop:
+        setattr(part, name, None)
+    return part
+
+
+def check_tp_divides(tp: int, **sizes: int) -> None:
+    """ValueError (one line, naming the field) when tp does not divide one of the model's `sizes` (heads,
+    matmul dims, vocabulary): each rank needs a whole share."""
+    for field, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"parallel.tp: {tp} does not divide model.{field}={value}; "
+                             f"pick a tp that divides it (each rank needs a whole share)")

@@ -1,0 +1,155 @@
+"""The trainer, built from parts once: process group, layout, model, optimizer and schedule, data. It knows how to
+take one optimizer step (`train_step`), evaluate, and hand its state to a checkpoint; the loop around it (loop.py)
+adds checkpointing, monitoring, preemption and hang detection. Tests and benchmarks build the same Trainer.
+
+Loss normalisation: each optimizer step sees B·S target tokens in all. A rank's micro-batch loss is its summed token
+loss × (data-parallel degree / (B·S)), so the data-parallel gradient average yields exactly the gradient of the mean
+over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scaletrain.config.schema import JobConfig
+from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
+from scaletrain.models.spec import ModelSpec
+from scaletrain.monitor import log
+from scaletrain.monitor.timing import NULL_TIMER
+from scaletrain.parallel import (ParallelDims, ParallelModel, Runtime, apply_parallelism, build_mesh,
+                                 dp_coordinates, init_distributed, pick_device_type)
+from scaletrain.train.job import Job, make_scaler
+from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.train.preflight import ResolvedJob, resolve_job
+from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient became NaN/Inf and the nan policy says stop."""
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's share of the step's summed token loss (not yet reduced over ranks)
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+    lr: float  # learning rate the step used
+
+
+def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> ParallelModel:
+    """The job's model from its spec, built on meta and laid out for the mesh (weights filled by name)."""
+    spec = resolved.spec
+    return apply_parallelism(spec.build("meta"), resolved.dims, mesh, rt.device, cfg.parallel, cfg.precision,
+                             spec=spec, init_fn=lambda m: spec.init_weights(m, cfg.run.seed),
+                             microbatches=resolved.accumulation, seq_len=cfg.data.seq_len)
+
+
+def build_loaders(cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
+                  ) -> tuple[DistributedLoader, DistributedLoader]:
+    """(training loader, validation loader) of this data-parallel rank."""
+    vocab = resolved.spec.vocab_size
+    tokens = load_tokens(cfg.data, vocab, cfg.run.seed)
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ValueError(f"data: token id {int(tokens.max())} >= model vocab_size {vocab}; "
+                         f"check data.token_dtype or set model.vocab_size")
+    train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
+    seq, gb, seed = cfg.data.seq_len, cfg.train.global_batch_size, cfg.run.seed
+    return (DistributedLoader(TokenWindows(train_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed),
+            DistributedLoader(TokenWindows(val_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed,
+                              shuffle=False))
+
+
+@dataclass
+class Trainer:
+    cfg: JobConfig
+    rt: Runtime
+    resolved: ResolvedJob
+    mesh: object
+    model: ParallelModel
+    job: Job
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: DistributedLoader
+    val_loader: DistributedLoader
+    skipped_steps: int = 0
+
+    @classmethod
+    def build(cls, cfg: JobConfig, rt: Runtime | None = None) -> Trainer:
+        """Join the process group (unless `rt` is given), check the job, and build every part once."""
+        device_type = pick_device_type(cfg.run.device)
+        if rt is None:
+            rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
+        resolved = resolve_job(cfg, rt.world_size)
+        dims = resolved.dims
+        mesh = build_mesh(dims, device_type)
+        model = build_model(cfg, resolved, mesh, rt)
+        optimizer = build_optimizer(model.module, cfg.train)
+        dp_rank, dp_size = dp_coordinates(dims, mesh)
+        scaler = make_scaler(dims, cfg.precision.dtype, rt.device, cfg.precision.loss_scale_init,
+                             cfg.precision.loss_scale_growth_interval)
+        job = Job(model=model.module, optimizer=optimizer, dims=dims, mesh=mesh, device=rt.device, rank=rt.rank,
+                  world_size=rt.world_size, dp_rank=dp_rank, dtype=cfg.precision.dtype,
+                  grad_clip=cfg.train.grad_clip, scaler=scaler, pipeline=model.pipeline,
+                  loss_parallel=model.loss_parallel)
+        loader, val_loader = build_loaders(cfg, resolved, dp_rank, dp_size)
+        return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.resolved.spec
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.resolved.dims
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+    def train_step(self, step: int, timer=NULL_TIMER, beat=None) -> StepResult:
+        """One optimizer step `step` (1-based): forward and backward over this rank's micro-batches, clip, update,
+        advance the schedule. A non-finite gradient norm skips the update or raises NonFiniteError, per
+        train.nan_policy. timer: the monitor's phase timer; beat(step, phase): told as each phase starts."""
+        beat = beat or (lambda step, phase: None)
+        beat(step, "data")
+        with timer.phase("data"):
+            micro_batches = self.loader.next_step()
+        beat(step, "forward/backward")
+        loss_sum = forward_backward(self.job, micro_batches, self.dims.dp / self.tokens_per_step, timer=timer)
+        policy = self.cfg.train.nan_policy
+        beat(step, "optimizer")
+        with timer.phase("optimizer"):
+            grad_norm = self.job.step(skip_nonfinite=policy == "skip")
+        if not torch.isfinite(grad_norm) and self.job.scaler is None:
+            # the norm is what decides; the loss (finite or not) says whether forward or backward blew up
+            what = f"the gradient norm ({float(grad_norm)}; loss {self.mean_loss(loss_sum):.6g})"
+            self.skipped_steps += 1
+            if policy == "stop" or self.skipped_steps > self.cfg.train.max_skipped_steps:
+                raise NonFiniteError(f"step {step}: {what} is not finite (train.nan_policy={policy}, "
+                                     f"{self.skipped_steps} step(s) skipped); stopping")
+            log.warning("step %d: %s is not finite, update skipped (%d/%d)", step, what, self.skipped_steps,
+                        self.cfg.train.max_skipped_steps)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return StepResult(loss_sum, grad_norm, lr)
+
+    def mean_loss(self, loss_sum: torch.Tensor) -> float:
+        """The step's mean token loss over every rank (a blocking all-reduce)."""
+        return sum_over_ranks(loss_sum) / self.tokens_per_step
+
+    def evaluate(self) -> float:
+        """Mean token loss over train.eval_batches global batches of the validation split."""
+        return evaluate(self.job, self.val_loader, self.cfg.train.eval_batches, self.tokens_per_step)
+
+    def state_dict(self) -> dict:
+        """The trainer's own state for a checkpoint (plain JSON-able data, world-size free)."""
+        scaler = self.job.scaler
+        return {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                "skipped_steps": self.skipped_steps, "scaler": scaler.state_dict() if scaler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.skipped_steps = state.get("skipped_steps", 0)
+        if self.job.scaler is not None and state.get("scaler"):
+            self.job.scaler.load_state_dict(state["scaler"])
