@@ -151,6 +151,7 @@ def train(cfg: JobConfig) -> dict:
     steps_since_log = 0
     watchdog = Watchdog(out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s,
                         cfg.launch.collective_timeout_s)
+    watchdog.completed(start_step)
     agreement = RankAgreement()
     with PreemptionWatch() as preemption, watchdog:
         for step in range(start_step + 1, cfg.train.steps + 1):
@@ -176,6 +177,7 @@ def train(cfg: JobConfig) -> dict:
             steps_since_log += 1
 
             if step % cfg.monitor.log_interval == 0 or step == cfg.train.steps:
+                watchdog.beat(step, "metrics")
                 last_loss = sum_over_ranks(loss_sum) / tokens_per_step
                 now = time.perf_counter()
                 step_time = (now - t_log) / steps_since_log
@@ -189,6 +191,8 @@ def train(cfg: JobConfig) -> dict:
                 if sink:
                     sink.write(record)
                 progress.update(step, last_loss, tps, mon.headline(record))
+            # marked right after the metrics' collectives, so the steps a hang message calls done match metrics.jsonl
+            watchdog.completed(step)
 
             if step == cfg.train.steps or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
                 watchdog.beat(step, "evaluation")
