@@ -29,3 +29,31 @@ def test_peers_benchmark_runs(tmp_path):
         assert (tmp_path / "prof" / f"{runner}.pstats").is_file()  # rank 0's profile of step 2, every runner
     assert "own time ms/step" in proc.stdout
     assert "| torch-ddp |" in report.read_text() and "benchmarks/peers.py" in report.read_text()
+
+
+def test_checkpoint_benchmark_runs(tmp_path):
+    """Sync and async saves, restores and a SIGKILL recovery of the real CLI on a ~2 MB model; the report renders
+    into its own section and leaves the rest of the file alone. Figures only need to exist and be positive."""
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text("# Benchmarks\n\n## Notes\n\nhand-written\n")
+    tiny = "tiny:dim=64:n_layers=1"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/checkpoint.py"), "--models", tiny, "--reps", "1",
+                           "--recovery-model", tiny, "--interval", "2", "--kill-at", "5", "--markdown", str(report)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+
+    def numbers(row: str) -> list[float]:
+        cells = [c.replace(",", "") for c in row.strip("| ").split(" | ")[1:]]
+        return [float(c) for c in cells if c.replace(".", "", 1).isdigit()]
+
+    stall, throughput = [row for row in lines if row.startswith(f"| {tiny} |")]  # one row in each table
+    assert len(numbers(stall)) == 9 and all(x > 0 for x in numbers(stall)), stall
+    assert len(numbers(throughput)) == 7 and all(x > 0 for x in numbers(throughput)), throughput
+    restore = next(row for row in lines if row.startswith("| restore (sha256 verify + DCP load) |"))
+    total = next(row for row in lines if row.startswith("| **total**"))
+    # columns: fresh start, recovery (a fresh start restores nothing: its restore may round to 0.00)
+    assert numbers(restore)[1] > 0 and numbers(total)[0] > 0 and numbers(total)[1] > 0, (restore, total)
+    text = report.read_text()
+    assert text.startswith("# Benchmarks\n\n## Notes\n\nhand-written\n")
+    assert "## Checkpoints: save stall, throughput, recovery" in text and "| **total**" in text

@@ -28,6 +28,10 @@ BAD = [
     (["missing.toml"], "config file"),                                # missing config file
     (["train.steps=0"], "train.steps"),                               # zero steps
     (["launch.nnodes=2"], "launch.rdzv_endpoint"),                    # multi-node without a rendezvous host
+    (["launch.nnodes=2", "launch.rdzv_endpoint=localhost:29500"], "launch.rdzv_endpoint"),  # other nodes can't reach
+    (["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29500", "launch.local_addr=203.0.113.7"],
+     "launch.local_addr"),                                            # not an address of this host
+    (["launch.rdzv_endpoint=29500"], "launch.rdzv_endpoint"),         # not host:port
 ]
 
 
@@ -40,6 +44,19 @@ def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path, monkeypatch, arg
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith(f"scaletrain: error: {field}"), lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_taken_rendezvous_port_is_one_line(tmp_path, monkeypatch):
+    from scaletrain.launch.network import listening_socket
+
+    monkeypatch.chdir(tmp_path)
+    with listening_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["train", f"launch.rdzv_endpoint=127.0.0.1:{port}"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("scaletrain: error: launch.rdzv_endpoint: cannot listen on 127.0.0.1:"), \
+        result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_bad_config_files(tmp_path, monkeypatch):

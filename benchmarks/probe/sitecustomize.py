@@ -13,6 +13,12 @@ A process that steps writes DIR/rank<RANK>-<pid>.jsonl, one line per step, flush
 ru_maxrss is the kernel's peak resident set of the process so far, so the last line holds the peak over training.
 Nothing runs at exit (an atexit handler registered this early made gloo ranks hang at shutdown now and then).
 Cost per step: a perf_counter(), a getrusage() and one small write.
+
+With SCALETRAIN_BENCH_EVENTS=DIR (benchmarks/checkpoint.py's recovery runs) a rank process also appends
+DIR/events-<pid>.jsonl: {"event", "rank", "unix": time.time()} for "start" (this file's import, about when the
+interpreter started), "process_group_call" and "process_group" (init_process_group called, returned),
+"restore_start" and "restore_end" (CheckpointManager.restore, with the step it resumed from). Each is one small
+write outside the steps.
 """
 
 import importlib.abc
@@ -25,6 +31,8 @@ import time
 
 _DIR = os.environ.get("SCALETRAIN_BENCH_PROBE")
 _PROFILE = os.environ.get("SCALETRAIN_BENCH_CPROFILE")
+_EVENTS = os.environ.get("SCALETRAIN_BENCH_EVENTS")
+_STARTED = time.time()
 _state: dict = {}
 
 
@@ -60,13 +68,46 @@ def _profile_window(step: int) -> None:
         _state["profile"].dump_stats(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.pstats"))
 
 
-class _HookOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Registers the hook right after torch.optim.optimizer has run, without importing torch any earlier."""
+def _event(name: str, **extra) -> None:
+    rank = int(os.environ.get("RANK", -1))  # a spawned rank gets RANK after start-up: write "start" late
+    if "events" not in _state:
+        _state["events"] = open(os.path.join(_EVENTS, f"events-{os.getpid()}.jsonl"), "a", buffering=1)
+        _state["events"].write(json.dumps({"event": "start", "rank": rank, "unix": _STARTED}) + "\n")
+    _state["events"].write(json.dumps({"event": name, "rank": rank, "unix": time.time(), **extra}) + "\n")
 
-    TARGET = "torch.optim.optimizer"
+
+def _time_process_group(dist) -> None:
+    inner = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        _event("process_group_call")
+        out = inner(*args, **kwargs)
+        _event("process_group")
+        return out
+
+    dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
+
+
+def _time_restore(manager) -> None:
+    inner = manager.CheckpointManager.restore
+
+    def restore(self, *args, **kwargs):
+        _event("restore_start")
+        out = inner(self, *args, **kwargs)
+        _event("restore_end", step=(out or {}).get("step", 0))
+        return out
+
+    manager.CheckpointManager.restore = restore
+
+
+class _HookOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Calls `then(module)` right after module `target` has run, without importing it (or torch) any earlier."""
+
+    def __init__(self, target: str, then) -> None:
+        self.target, self.then = target, then
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -79,8 +120,12 @@ class _HookOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        module.register_optimizer_step_post_hook(_on_step)
+        self.then(module)
 
 
 if _DIR:
-    sys.meta_path.insert(0, _HookOnImport())
+    sys.meta_path.insert(0, _HookOnImport("torch.optim.optimizer",
+                                          lambda m: m.register_optimizer_step_post_hook(_on_step)))
+if _EVENTS:
+    sys.meta_path.insert(0, _HookOnImport("torch.distributed", _time_process_group))
+    sys.meta_path.insert(0, _HookOnImport("scaletrain.checkpoint.manager", _time_restore))

@@ -70,6 +70,9 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
         resolve_job(cfg, world)
         if cfg.launch.nnodes > 1 and cfg.launch.rdzv_endpoint.endswith(":0"):
             raise ValueError("launch.rdzv_endpoint: a multi-node run needs a fixed host:port every node can reach")
+        from scaletrain.launch.local import open_rendezvous
+
+        rdzv = open_rendezvous(cfg.launch)  # binds the rendezvous store: a taken port fails here, not in a rank
     except ValueError as e:
         fail(str(e))
 
@@ -78,16 +81,18 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
 
     from scaletrain.launch.local import launch_local
     from scaletrain.train.preemption import EXIT_REQUEUE
+    from scaletrain.train.watchdog import EXIT_HANG
 
     try:
-        launch_local(cfg, nproc)
+        launch_local(cfg, nproc, rdzv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if codes == {EXIT_REQUEUE}:
             click.echo(f"scaletrain: preempted; a checkpoint was saved, the same command resumes it "
                        f"(exit {EXIT_REQUEUE})", err=True)
             sys.exit(EXIT_REQUEUE)
-        rank, first = min(e.failures.items(), key=lambda kv: kv[1].timestamp)
+        # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
+        rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
         click.echo(f"scaletrain: training failed on rank {rank} (exit {first.exitcode}); "
                    f"see the messages above", err=True)
         sys.exit(1)

@@ -217,7 +217,12 @@ class MonitorConfig(Section):
 class LaunchConfig(Section):
     nproc_per_node: int = Field(0, ge=0, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks")
     nnodes: int = Field(1, gt=0)
-    rdzv_endpoint: str = Field("127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one")
+    rdzv_endpoint: str = Field(
+        "127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one. One host "
+        "(nnodes=1): only the port is used, everything listens on 127.0.0.1")
+    local_addr: str = Field(
+        "", description="nnodes > 1: this host's IP address that the other nodes reach; rank 0's store and the "
+        "gloo/NCCL sockets bind to it. Empty: the address of the interface that routes to the rendezvous host")
     max_restarts: int = Field(0, ge=0, description="worker-group restarts by the torchrun agent")
     collective_timeout_s: float = Field(
         600.0, gt=0, description="process-group timeout for a collective; also the hang limit until step 1 is done")

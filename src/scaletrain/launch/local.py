@@ -1,50 +1,102 @@
 """Local ranks through the torchrun agent (torch.distributed.launcher, the engine behind `torchrun`).
 
-The agent starts the worker group, hosts the c10d rendezvous on 127.0.0.1 for single-host runs, watches the
-workers, and restarts the whole group up to launch.max_restarts times when one fails.
+The agent starts the worker group, meets the other hosts' agents at the c10d rendezvous, watches the workers, and
+restarts the whole group up to launch.max_restarts times when one fails. Nothing listens on every interface: a
+single-host run keeps the rendezvous store, rank 0's store and gloo's sockets on 127.0.0.1; a multi-node run binds
+them to the rendezvous host's address and this host's launch.local_addr (see launch/network.py).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
-import socket
 import uuid
+from dataclasses import dataclass
 
-from scaletrain.config.schema import JobConfig
+from scaletrain.config.schema import JobConfig, LaunchConfig
+from scaletrain.launch import network
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+    with network.listening_socket(network.LOOPBACK, 0) as s:
         return s.getsockname()[1]
 
 
-def rendezvous_endpoint(endpoint: str) -> str:
-    host, _, port = endpoint.rpartition(":")
-    if port in ("", "0"):
-        return f"{host or '127.0.0.1'}:{free_port()}"
-    return endpoint
+@dataclass
+class LocalRendezvous:
+    """Where this host's agent meets the others and where its workers listen."""
+
+    endpoint: str  # host:port of the rendezvous store
+    listen_addr: str  # this host's address for rank 0's store and the collectives' sockets
+    server: object | None  # the rendezvous TCPStore when this host serves it (kept alive for the whole run)
 
 
-def launch_local(cfg: JobConfig, nproc_per_node: int) -> dict:
+def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
+    """Bind the rendezvous store if this host serves it. ValueError (one line naming the field) for a bad endpoint,
+    address or taken port, before any rank starts."""
+    host, port = network.split_endpoint(launch.rdzv_endpoint)
+    listen_addr = network.listen_address(launch.nnodes, launch.rdzv_endpoint, launch.local_addr)
+    if launch.nnodes == 1:
+        host = network.LOOPBACK  # one host: no other machine needs to reach the store, whatever host was named
+    else:
+        host = network.resolve(host)
+        if ipaddress.ip_address(host).is_loopback:
+            raise ValueError(f"launch.rdzv_endpoint: {launch.rdzv_endpoint} is a loopback address; a multi-node "
+                             f"run needs the rendezvous host's address every node can reach")
+        if host not in network.local_addresses():
+            return LocalRendezvous(f"{host}:{port}", listen_addr, None)  # another host serves the store
+    try:
+        sock = network.listening_socket(host, port)
+    except OSError as e:
+        if launch.nnodes > 1 and network.port_in_use(e):
+            # another node's agent on this same machine got there first and serves it (torch does the same)
+            return LocalRendezvous(f"{host}:{port}", listen_addr, None)
+        raise ValueError(f"launch.rdzv_endpoint: cannot listen on {host}:{port} ({e.strerror}); pick a free port "
+                         f"or port 0") from None
+    port = sock.getsockname()[1]
+    server = network.tcp_store_server(host, port, timeout_s=300, sock=sock)
+    return LocalRendezvous(f"{host}:{port}", listen_addr, server)
+
+
+def run_id(cfg: JobConfig) -> str:
+    """The rendezvous id: every node's agent must use the same one to meet (a random one per process never would)."""
+    if cfg.launch.nnodes == 1:
+        return f"scaletrain-{cfg.run.name}-{uuid.uuid4().hex[:8]}"
+    return f"scaletrain-{cfg.run.name}"  # the rendezvous store is fresh for each launch: no stale round to meet
+
+
+def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | None = None) -> dict:
     """Run the job on nproc_per_node local ranks; returns rank 0's summary. Raises ChildFailedError on failure."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
+    from torch.distributed.launcher.api import elastic_launch
 
     from scaletrain.train.worker import run_from_dict
 
+    rdzv = rdzv or open_rendezvous(cfg.launch)
     # one intra-op thread pool per rank sized to the host, instead of every rank grabbing every core
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     # Workers get a fresh TCPStore each round instead of sharing the agent's rendezvous store: with the shared
     # store a restarted group can read the previous round's addresses and fail to connect (pytorch#135712; seen
     # here as "Gloo connectFullMesh failed ... Connection refused" on the first restart after a SIGKILL).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    launch = LaunchConfig(
+    # gloo and NCCL bind their sockets to this interface's address, not the one the hostname resolves to
+    interface = network.interface_of(rdzv.listen_addr)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    launch = AgentConfig(
         min_nodes=cfg.launch.nnodes, max_nodes=cfg.launch.nnodes, nproc_per_node=nproc_per_node,
-        run_id=f"scaletrain-{cfg.run.name}-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-        rdzv_endpoint=rendezvous_endpoint(cfg.launch.rdzv_endpoint), max_restarts=cfg.launch.max_restarts,
-        monitor_interval=0.2, start_method="spawn", local_addr="127.0.0.1" if cfg.launch.nnodes == 1 else None,
+        run_id=run_id(cfg), rdzv_backend="c10d",
+        rdzv_endpoint=rdzv.endpoint, max_restarts=cfg.launch.max_restarts,
+        # is_host=False: the agent joins as a client of our store; its own would listen on every interface
+        rdzv_configs={"is_host": False},
+        # MASTER_ADDR of the workers: rank 0 binds its store there (parallel/runtime.py)
+        local_addr=rdzv.listen_addr,
+        monitor_interval=0.2, start_method="spawn",
         # SIGUSR1 is Slurm's advance warning (--signal=B:USR1@N): the agent then stops its workers with SIGTERM,
         # which they answer by finishing the step and saving a checkpoint
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=cfg.launch.shutdown_timeout_s)
-    results = elastic_launch(launch, run_from_dict)(cfg.model_dump())
+    try:
+        results = elastic_launch(launch, run_from_dict)(cfg.model_dump())
+    finally:
+        rdzv.server = None  # the agent has left the rendezvous: close the store
     return results[0]

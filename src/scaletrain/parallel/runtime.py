@@ -38,13 +38,20 @@ def init_distributed(device_type: str, timeout_s: float = 600.0, rdzv_endpoint: 
     otherwise a one-rank group on an in-memory store, so the same code runs in a plain `python` process.
     """
     from scaletrain.launch.mpi import apply_mpi_env
+    from scaletrain.launch.network import worker_store
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         apply_mpi_env(os.environ, rdzv_endpoint)
         timeout = datetime.timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            # rank 0's store on MASTER_ADDR only: torch's env:// one would listen on every interface
+            store = worker_store(os.environ, timeout_s)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         atexit.register(shutdown_distributed)  # a no-op when the caller already left the group

@@ -166,6 +166,7 @@ def fit(trainer: Trainer) -> dict:
     window = _LogWindow()
     watchdog = Watchdog(out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s,
                         cfg.launch.collective_timeout_s)
+    watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
     try:
@@ -175,7 +176,11 @@ def fit(trainer: Trainer) -> dict:
                 window.steps += 1
                 last = step == cfg.train.steps
                 if step % cfg.monitor.log_interval == 0 or last:
+                    watchdog.beat(step, "metrics")
                     last_loss = window.record(trainer, step, result, outputs)
+                # marked right after the metrics' collectives, so the steps a hang message calls done match
+                # metrics.jsonl
+                watchdog.completed(step)
                 if last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
                     watchdog.beat(step, "evaluation")
                     val_loss = trainer.evaluate()

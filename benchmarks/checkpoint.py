@@ -1,0 +1,482 @@
+"""Checkpoints, measured: the training stall per save (async against sync), save and restore throughput over a
+range of checkpoint sizes, and the recovery time from a SIGKILL of a rank to the first step after the restart.
+
+    python benchmarks/checkpoint.py                      # 2 CPU ranks over gloo, 4 sizes ~1-290 MB, 3 reps
+    python benchmarks/checkpoint.py --markdown BENCHMARKS.md
+    python benchmarks/checkpoint.py --parts stall --models tiny,small --reps 5
+
+Stall and throughput (one torchrun launch of this file with --worker, 2 gloo ranks): every model is built the way
+`scaletrain train` builds it (config, preflight, meta model, parallelism, optimizer, data loader) and trained with
+two CheckpointManagers, one with checkpoint.async_save=false and one with true. Each rep runs one save cycle of
+each, order alternated: save, then --steps-per-save training steps with poll() after each, then finish_pending().
+**Stall** is the wall time the training thread spends in save(), poll() and finish_pending() in that cycle (the
+slowest rank's); **save MB/s** is the committed checkpoint's bytes over the sync stall; **restore MB/s** the same
+bytes over restore() (rank 0 verifies every sha256 first, as on resume).
+
+Recovery: the real `scaletrain train` (2 CPU ranks, launch.max_restarts=1, a checkpoint every --interval steps) is
+SIGKILLed on one rank once --kill-at steps are logged; the clock runs from the kill to the first metrics.jsonl row
+of a step after the one it resumed from. benchmarks/probe/sitecustomize.py stamps each rank's start, process
+group, and restore, which splits it; the same run's first start (launch to the row of step 1) is the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ helpers import each other by name
+
+from peers import PROBE, machine  # noqa: E402  (the probe and machine line benchmarks/peers.py uses)
+
+SECTION = "## Checkpoints: save stall, throughput, recovery"
+TARGET_STALL = 0.10  # issue 19: async stall at most 10 % of the sync save's
+MODELS = "tiny:dim=64:n_layers=1,tiny,small,base"  # ~1, 10, 72 and 290 MB of model + AdamW state
+
+
+def model_overrides(spec: str) -> list[str]:
+    """`small` or `tiny:dim=64:n_layers=1` -> config overrides."""
+    name, *changes = spec.split(":")
+    return [f"model.name={name}", *(f"model.{c}" for c in changes)]
+
+
+def job_overrides(a) -> list[str]:
+    return [f"data.seq_len={a.seq_len}", f"train.global_batch_size={a.global_batch}",
+            f"data.max_bytes={a.max_bytes}", "train.warmup_steps=1"]
+
+
+# ---------------------------------------------------------------- stall and throughput: one rank of the worker
+
+
+def _build(overrides: list[str], world: int):
+    """What train/loop.py builds before its first step (same calls, same order)."""
+    import dataclasses
+
+    from scaletrain.config import load_config
+    from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
+    from scaletrain.models import build_model, init_weights
+    from scaletrain.parallel import apply_parallelism, build_mesh, dp_coordinates
+    from scaletrain.parallel.runtime import init_distributed
+    from scaletrain.train.job import Job, make_scaler
+    from scaletrain.train.optim import build_optimizer, build_scheduler
+    from scaletrain.train.preflight import resolve_job
+
+    cfg = load_config(None, overrides)
+    rt = init_distributed("cpu", cfg.launch.collective_timeout_s)
+    plan = resolve_job(cfg, world)
+    args, dims = plan.args, plan.dims
+    mesh = build_mesh(dims, "cpu")
+    model = apply_parallelism(build_model(args, "meta"), dims, mesh, rt.device, cfg.parallel, cfg.precision,
+                              init_fn=lambda m: init_weights(m, args, cfg.run.seed), microbatches=plan.accumulation,
+                              seq_len=cfg.data.seq_len)
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train)
+    dp_rank, dp_size = dp_coordinates(dims, mesh)
+    scaler = make_scaler(dims, cfg.precision.dtype, rt.device, cfg.precision.loss_scale_init,
+                         cfg.precision.loss_scale_growth_interval)
+    job = Job(model, optimizer, dims, mesh, rt.device, rt.rank, rt.world_size, dp_rank, cfg.precision.dtype,
+              cfg.train.grad_clip, scaler)
+    train_tokens, _ = split_stream(load_tokens(cfg.data, args.vocab_size, cfg.run.seed), cfg.data.val_fraction)
+    loader = DistributedLoader(TokenWindows(train_tokens, cfg.data.seq_len), cfg.train.global_batch_size,
+                               plan.micro_batch, dp_rank, dp_size, cfg.run.seed)
+    info = {"layout": dims.describe(), "world_size": rt.world_size, "model": cfg.model.name,
+            "model_args": dataclasses.asdict(args)}
+    return cfg, rt, job, scheduler, loader, info, args.num_params()
+
+
+def measure_model(spec: str, w: dict, root: Path) -> dict:
+    """One model: alternating sync and async save cycles, then restores; times are the slowest rank's (s)."""
+    import torch
+    import torch.distributed as dist
+
+    from scaletrain.checkpoint import CheckpointManager, list_checkpoints, read_manifest, verify
+    from scaletrain.train.step import forward_backward
+
+    world = int(os.environ["WORLD_SIZE"])
+    cfg, rt, job, scheduler, loader, info, params = _build(model_overrides(spec) + w["job"], world)
+    loss_scale = job.dims.dp / (cfg.train.global_batch_size * cfg.data.seq_len)
+    managers = {
+        mode: CheckpointManager(cfg.checkpoint.model_copy(update={"async_save": mode == "async"}), root / mode,
+                                rt.rank, rt.world_size, info)
+        for mode in ("sync", "async")
+    }
+    step = 0
+
+    def train_step() -> float:
+        nonlocal step
+        t0 = time.perf_counter()
+        forward_backward(job, loader.next_step(), loss_scale)
+        job.step()
+        scheduler.step()
+        step += 1
+        return time.perf_counter() - t0
+
+    def trainer_state() -> dict:
+        return {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "skipped_steps": 0,
+                "scaler": None}
+
+    train_step()  # AdamW creates its state on the first step: a checkpoint without it would be a third the size
+    out = {"save_s": {"sync": [], "async": []}, "commit_s": {"sync": [], "async": []},
+           "step_s": {"sync": [], "async": []}}
+    commit_after = cfg.checkpoint.async_commit_after_steps
+    for rep in range(w["reps"]):
+        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):  # drift hits both alike
+            mgr = managers[mode]
+            t0 = time.perf_counter()
+            mgr.save(step, job.model, job.optimizer, trainer_state())
+            save_s, commit_s = time.perf_counter() - t0, 0.0
+            for k in range(w["steps_per_save"]):
+                took = train_step()
+                if k < commit_after:  # async: the write may still be running under these steps
+                    out["step_s"][mode].append(took)
+                t0 = time.perf_counter()
+                mgr.poll(step)  # as the loop does after each step
+                commit_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            mgr.finish_pending()
+            commit_s += time.perf_counter() - t0
+            out["save_s"][mode].append(save_s)
+            out["commit_s"][mode].append(commit_s)
+    restore_s = []
+    for _ in range(w["reps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        managers["sync"].restore(job.model, job.optimizer)
+        restore_s.append(time.perf_counter() - t0)
+    out["restore_s"] = restore_s
+    newest = list_checkpoints(root / "sync")[0]
+    out["bytes"] = read_manifest(newest)["bytes"]
+    t0 = time.perf_counter()
+    verify(newest, checksums=True)  # what restore's sha256 check costs on its own (rank 0 does it on resume)
+    out["verify_s"] = time.perf_counter() - t0
+    for mgr in managers.values():
+        mgr.close()
+
+    def slowest(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    for key in ("save_s", "commit_s", "step_s"):
+        out[key] = {m: slowest(v) for m, v in out[key].items()}
+    out["restore_s"] = slowest(out["restore_s"])
+    out.update(model=spec, params=params, layout=info["layout"], commit_after=commit_after)
+    return out
+
+
+def worker(spec_path: str) -> None:
+    """One rank under torchrun: measure every model in turn; rank 0 writes the results."""
+    from same_job import leave_process_group
+
+    w = json.loads(Path(spec_path).read_text())
+    results = []
+    for i, spec in enumerate(w["models"]):
+        results.append(measure_model(spec, w, Path(w["root"]) / f"m{i}"))
+        print(f"  {spec}: done", file=sys.stderr, flush=True)
+    if int(os.environ["RANK"]) == 0:
+        Path(w["out"]).write_text(json.dumps(results))
+    leave_process_group()
+
+
+def run_worker(a, workdir: Path, env: dict) -> list[dict]:
+    spec = workdir / "spec.json"
+    out = workdir / "results.json"
+    spec.write_text(json.dumps({"models": a.models, "job": job_overrides(a), "reps": a.reps,
+                                "steps_per_save": a.steps_per_save, "root": str(workdir / "ckpt"), "out": str(out)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(Path(__file__).resolve()), "--worker", str(spec)]
+    proc = subprocess.run(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=a.timeout)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"checkpoint worker exited {proc.returncode}; last output:\n{proc.stdout[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def stall_table(results: list[dict]) -> list[str]:
+    def ms(values) -> str:
+        return f"{statistics.median(values) * 1e3:,.0f}"
+
+    head = "| model | checkpoint (MB) | sync: stall (ms) | async: save() (ms) | async: commit (ms) | " \
+           "async: stall (ms) | async ÷ sync | each rep | target ≤ 0.10 | step (ms), sync run | " \
+           "step (ms), async write in flight |"
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        save, commit = r["save_s"], r["commit_s"]
+        sync = [s + c for s, c in zip(save["sync"], commit["sync"])]
+        asyn = [s + c for s, c in zip(save["async"], commit["async"])]
+        ratio = statistics.median(asyn) / statistics.median(sync)
+        each = " ".join(f"{x / y:.2f}" for x, y in zip(asyn, sync))  # the two cycles of a rep ran back to back
+        out.append("| " + " | ".join([
+            r["model"], f"{r['bytes'] / 1e6:,.1f}", ms(sync), ms(save["async"]), ms(commit["async"]), ms(asyn),
+            f"{ratio:.3f}", each, "met" if ratio <= TARGET_STALL else "**not met**", ms(r["step_s"]["sync"]),
+            ms(r["step_s"]["async"])]) + " |")
+    return out
+
+
+def throughput_table(results: list[dict]) -> list[str]:
+    med = statistics.median
+    head = "| model | params (M) | checkpoint (MB) | save (s) | save MB/s | restore (s) | restore MB/s | " \
+           "of restore: sha256 verify (s) |"
+    out = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        mb = r["bytes"] / 1e6
+        save = med(s + c for s, c in zip(r["save_s"]["sync"], r["commit_s"]["sync"]))
+        restore = med(r["restore_s"])
+        out.append("| " + " | ".join([r["model"], f"{r['params'] / 1e6:.2f}", f"{mb:,.1f}", f"{save:.3f}",
+                                      f"{mb / save:,.0f}", f"{restore:.3f}", f"{mb / restore:,.0f}",
+                                      f"{r['verify_s']:.3f}"]) + " |")
+    return out
+
+
+# ---------------------------------------------------------------- recovery: the real CLI, a rank SIGKILLed
+
+
+def _rows(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(x).get("step", 0) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _heartbeat_pids(run: Path) -> dict[int, int]:
+    pids = {}
+    for f in (run / "heartbeat").glob("rank*.json"):
+        try:
+            record = json.loads(f.read_text())
+        except (OSError, ValueError):  # replaced while read: the next poll sees it
+            continue
+        pids[record["rank"]] = record["pid"]
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; the agent reaps it later
+
+
+def _events(folder: Path, pid: int) -> dict:
+    path = folder / f"events-{pid}.jsonl"
+    if not path.is_file():
+        return {}
+    return {e["event"]: e for e in map(json.loads, path.read_text().splitlines())}
+
+
+# (label, the mark that ends the phase); a phase starts at the previous mark the run has ("launch": the command's
+# launch for a fresh start, the SIGKILL for a recovery; a fresh start has no "stopped")
+RECOVERY_PHASES = [
+    ("old ranks stopped (failure noticed)", "stopped"),
+    ("ranks started (fresh: CLI + agent; restart: agent's new round)", "start"),
+    ("imports (spawn, torch, scaletrain, config)", "process_group_call"),
+    ("process group (gloo, both ranks)", "process_group"),
+    ("build model, optimizer, data", "restore_start"),
+    ("restore (sha256 verify + DCP load)", "restore_end"),
+    ("first step, to its metrics row", "row"),
+]
+
+
+def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
+    """One `scaletrain train` SIGKILLed on --kill-rank: unix times of each mark, for its fresh start and its
+    restart; the run is stopped once the first step after the restart is logged (nothing later is measured)."""
+    name = f"recovery{rep}"
+    run, events = workdir / "runs" / name, workdir / f"events{rep}"
+    events.mkdir()
+    env = {**env, "SCALETRAIN_BENCH_EVENTS": str(events)}
+    cmd = [sys.executable, "-m", "scaletrain.cli.main", "train", *model_overrides(a.recovery_model),
+           *job_overrides(a), f"train.steps={a.kill_at + 100}", "monitor.log_interval=1",
+           f"checkpoint.interval_steps={a.interval}", "launch.max_restarts=1", "train.eval_interval=0",
+           "train.eval_batches=1", "monitor.progress=false", f"run.name={name}", "--nproc-per-node", "2"]
+    log = workdir / f"{name}.log"
+    deadline = time.monotonic() + a.timeout
+    with open(log, "w") as out:
+        fresh, again = {"launch": time.time()}, {}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                                start_new_session=True)
+        try:
+            def wait(done, what: str):
+                while not done():
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"recovery run {rep}: no {what} (exit {proc.returncode}); last output:\n"
+                                           f"{log.read_text()[-3000:]}")
+                    time.sleep(0.01)  # 10 ms: the resolution of the marks the driver takes itself
+                return time.time()
+
+            fresh["row"] = wait(lambda: 1 in _rows(run), "metrics row of step 1")
+            wait(lambda: max(_rows(run), default=0) >= a.kill_at, f"metrics row of step {a.kill_at}")
+            old = _heartbeat_pids(run)
+            killed_at_step = max(_rows(run))
+            os.kill(old[a.kill_rank], signal.SIGKILL)
+            again["launch"] = time.time()  # the kill starts the recovery clock
+            again["stopped"] = wait(lambda: not any(map(_alive, old.values())), "exit of the old ranks")
+            new_pid = {}
+
+            def resumed_row() -> bool:
+                pid = _heartbeat_pids(run).get(0)
+                if pid is not None and pid != old[0]:  # the new rank 0 is in its loop: old rows are truncated
+                    new_pid["pid"] = pid
+                    resumed = _events(events, pid).get("restore_end", {}).get("step")
+                    return resumed is not None and any(s > resumed for s in _rows(run))
+                return False
+
+            again["row"] = wait(resumed_row, "metrics row after the restart")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    for marks, pid in ((fresh, old[0]), (again, new_pid["pid"])):
+        marks.update({k: e["unix"] for k, e in _events(events, pid).items()})
+    return {"fresh": fresh, "again": again, "killed_at_step": killed_at_step,
+            "resumed_from": _events(events, new_pid["pid"])["restore_end"]["step"]}
+
+
+def phases(marks: dict) -> list[float | None]:
+    """Seconds of each RECOVERY_PHASES phase (None where the run has no such mark), then the total."""
+    out, previous = [], marks["launch"]
+    for _, mark in RECOVERY_PHASES:
+        if mark not in marks:
+            out.append(None)
+            continue
+        out.append(marks[mark] - previous)
+        previous = marks[mark]
+    return out + [marks["row"] - marks["launch"]]
+
+
+def recovery_table(runs: list[dict]) -> list[str]:
+    fresh = list(zip(*(phases(r["fresh"]) for r in runs)))  # per phase: one value per run
+    again = list(zip(*(phases(r["again"]) for r in runs)))
+
+    def median(values) -> str:
+        got = [v for v in values if v is not None]
+        return f"{statistics.median(got):.2f}" if got else "—"
+
+    head = "| phase | fresh start (s) | recovery after SIGKILL (s) | recovery, each run (s) |"
+    out = [head, "|---|---|---|---|"]
+    labels = [label for label, _ in RECOVERY_PHASES] + ["**total** (launch / kill → first step's metrics row)"]
+    for label, f, g in zip(labels, fresh, again):
+        each = " ".join("—" if v is None else f"{v:.2f}" for v in g)
+        out.append(f"| {label} | {median(f)} | {median(g)} | {each} |")
+    ratio = statistics.median(again[-1]) / statistics.median(fresh[-1])
+    out.append(f"| recovery ÷ fresh start (total) | — | {ratio:.2f} | |")
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="stall,recovery", help="stall (also gives throughput) and/or recovery")
+    ap.add_argument("--models", default=MODELS,
+                    help="comma-separated presets, each with optional :field=value model overrides")
+    ap.add_argument("--reps", type=int, default=3, help="save cycles per mode and model; recovery runs")
+    ap.add_argument("--steps-per-save", type=int, default=2,
+                    help="training steps after each save (the async save commits after "
+                         "checkpoint.async_commit_after_steps of them, default 2, or at the cycle's end)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--max-bytes", type=int, default=300_000, help="stdlib text read as the token stream")
+    ap.add_argument("--recovery-model", default="small", help="model of the recovery runs (preset[:overrides])")
+    ap.add_argument("--interval", type=int, default=5, help="recovery: checkpoint.interval_steps")
+    ap.add_argument("--kill-at", type=int, default=13, help="recovery: SIGKILL once this step is logged")
+    ap.add_argument("--kill-rank", type=int, default=1, choices=[0, 1])
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
+    ap.add_argument("--markdown", type=Path, help=f"also write the tables into this file's '{SECTION}' section")
+    ap.add_argument("--note", default="", help="a line for the report, e.g. what else ran on the machine")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of the stall/throughput launch
+    a = ap.parse_args(argv)
+    a.parts = a.parts.split(",")
+    for part in a.parts:
+        if part not in ("stall", "recovery"):
+            ap.error(f"--parts: unknown part {part!r}; choose from stall, recovery")
+    a.models = a.models.split(",")
+    if a.reps < 1 or a.steps_per_save < 1:
+        ap.error("--reps and --steps-per-save: need at least 1")
+    if a.global_batch % 2:
+        ap.error(f"--global-batch {a.global_batch} must be a multiple of 2 (the ranks)")
+    if a.kill_at <= a.interval + 2:  # an async save commits 2 steps after it starts (checkpoint default)
+        ap.error(f"--kill-at {a.kill_at}: must be past the first committed checkpoint, > --interval + 2")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    if a.worker:
+        worker(a.worker)
+        return
+    # probe first on the path: its sitecustomize stamps the recovery runs' ranks (no-op without its env vars)
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p)}
+    report, load = [], os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="scaletrain-ckpt-bench-") as tmp:
+        if "stall" in a.parts:
+            print("stall and throughput: one launch, every model", file=sys.stderr, flush=True)
+            results = run_worker(a, Path(tmp), env)
+            r0 = results[0]
+            title = f"2 CPU ranks (gloo), {r0['layout']}, fp32, AdamW; {a.global_batch} x {a.seq_len} tokens per " \
+                    f"step; {a.reps} alternating reps of each mode; async commit after {r0['commit_after']} steps; " \
+                    f"checkpoints on {_filesystem(Path(tmp))}"
+            report += [f"**Training stall per save, async against sync** ({title}).", "", *stall_table(results), "",
+                       f"**Save and restore throughput** (sync saves of the runs above; restore reads what the last "
+                       f"save wrote, from the page cache).", "", *throughput_table(results), ""]
+        if "recovery" in a.parts:
+            runs = []
+            for rep in range(a.reps):
+                print(f"recovery {rep + 1}/{a.reps}", file=sys.stderr, flush=True)
+                runs.append(recovery_run(a, rep, Path(tmp), env))
+            lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
+            report += [f"**Recovery from SIGKILL of rank {a.kill_rank}** (`scaletrain train`, model "
+                       f"{a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
+                       f"launch.max_restarts=1, {a.reps} runs; killed after step → resumed from step: {lost}).",
+                       "", *recovery_table(runs), ""]
+    # other jobs on a shared machine slow both modes but blur the split: say how loaded it was
+    report += [f"Load average (1 min) at start and end: {load[0]:.1f}, {os.getloadavg()[0]:.1f} on "
+               f"{os.cpu_count()} cores.", ""]
+    print("\n".join(report))
+    if a.markdown:
+        write_section(a.markdown, report, a, argv)
+
+
+def _filesystem(path: Path) -> str:
+    """The mount (device and type) holding `path`, from /proc/mounts: what the MB/s figures are of."""
+    best = ("", "?", "?")
+    for line in Path("/proc/mounts").read_text().splitlines():
+        dev, mnt, kind = line.split()[:3]
+        if str(path.resolve()).startswith(mnt) and len(mnt) >= len(best[0]):
+            best = (mnt, dev, kind)
+    return f"{best[1]} ({best[2]})"
+
+
+def write_section(path: Path, report: list[str], a, argv: list[str] | None) -> None:
+    """Replace this benchmark's section of `path` (from SECTION to the next '## ' heading), or append it; the rest
+    of the file, hand-written notes included, stays as it is."""
+    args = sys.argv[1:] if argv is None else argv
+    body = [SECTION, "", f"Latest run: {datetime.date.today().isoformat()}, produced by "
+            f"`{shlex.join(['python', 'benchmarks/checkpoint.py', *args])}`.", "", f"Machine: {machine()}.", "",
+            *([a.note, ""] if a.note else []), *report,
+            "How each figure is measured: benchmarks/checkpoint.py's docstring and benchmarks/README.md.", ""]
+    old = path.read_text() if path.exists() else ""
+    start = old.find(SECTION)
+    if start < 0:
+        path.write_text(old.rstrip("\n") + "\n\n" + "\n".join(body))
+        return
+    end = old.find("\n## ", start + len(SECTION))
+    rest = old[end + 1:] if end >= 0 else ""
+    path.write_text(old[:start] + "\n".join(body) + ("\n" + rest if rest else ""))
+
+
+if __name__ == "__main__":
+    main()
