@@ -57,40 +57,15 @@ def job_overrides(a) -> list[str]:
 # ---------------------------------------------------------------- stall and throughput: one rank of the worker
 
 
-def _build(overrides: list[str], world: int):
-    """What train/loop.py builds before its first step (same calls, same order)."""
-    import dataclasses
-
+def _build(overrides: list[str]):
+    """The trainer `scaletrain train` builds (Trainer.build), and the manifest entry its checkpoints carry."""
     from scaletrain.config import load_config
-    from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
-    from scaletrain.models import build_model, init_weights
-    from scaletrain.parallel import apply_parallelism, build_mesh, dp_coordinates
-    from scaletrain.parallel.runtime import init_distributed
-    from scaletrain.train.job import Job, make_scaler
-    from scaletrain.train.optim import build_optimizer, build_scheduler
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.train import Trainer
 
-    cfg = load_config(None, overrides)
-    rt = init_distributed("cpu", cfg.launch.collective_timeout_s)
-    plan = resolve_job(cfg, world)
-    args, dims = plan.args, plan.dims
-    mesh = build_mesh(dims, "cpu")
-    model = apply_parallelism(build_model(args, "meta"), dims, mesh, rt.device, cfg.parallel, cfg.precision,
-                              init_fn=lambda m: init_weights(m, args, cfg.run.seed), microbatches=plan.accumulation,
-                              seq_len=cfg.data.seq_len)
-    optimizer = build_optimizer(model, cfg.train)
-    scheduler = build_scheduler(optimizer, cfg.train)
-    dp_rank, dp_size = dp_coordinates(dims, mesh)
-    scaler = make_scaler(dims, cfg.precision.dtype, rt.device, cfg.precision.loss_scale_init,
-                         cfg.precision.loss_scale_growth_interval)
-    job = Job(model, optimizer, dims, mesh, rt.device, rt.rank, rt.world_size, dp_rank, cfg.precision.dtype,
-              cfg.train.grad_clip, scaler)
-    train_tokens, _ = split_stream(load_tokens(cfg.data, args.vocab_size, cfg.run.seed), cfg.data.val_fraction)
-    loader = DistributedLoader(TokenWindows(train_tokens, cfg.data.seq_len), cfg.train.global_batch_size,
-                               plan.micro_batch, dp_rank, dp_size, cfg.run.seed)
-    info = {"layout": dims.describe(), "world_size": rt.world_size, "model": cfg.model.name,
-            "model_args": dataclasses.asdict(args)}
-    return cfg, rt, job, scheduler, loader, info, args.num_params()
+    trainer = Trainer.build(load_config(None, overrides))
+    info = {"layout": trainer.dims.describe(), "world_size": trainer.rt.world_size,
+            "model": trainer.cfg.model.name, "model_spec": trainer.spec.manifest()}
+    return trainer, info
 
 
 def measure_model(spec: str, w: dict, root: Path) -> dict:
@@ -99,11 +74,10 @@ def measure_model(spec: str, w: dict, root: Path) -> dict:
     import torch.distributed as dist
 
     from scaletrain.checkpoint import CheckpointManager, list_checkpoints, read_manifest, verify
-    from scaletrain.train.step import forward_backward
 
-    world = int(os.environ["WORLD_SIZE"])
-    cfg, rt, job, scheduler, loader, info, params = _build(model_overrides(spec) + w["job"], world)
-    loss_scale = job.dims.dp / (cfg.train.global_batch_size * cfg.data.seq_len)
+    trainer, info = _build(model_overrides(spec) + w["job"])
+    cfg, rt, job = trainer.cfg, trainer.rt, trainer.job
+    params = trainer.spec.num_params()
     managers = {
         mode: CheckpointManager(cfg.checkpoint.model_copy(update={"async_save": mode == "async"}), root / mode,
                                 rt.rank, rt.world_size, info)
@@ -114,15 +88,11 @@ def measure_model(spec: str, w: dict, root: Path) -> dict:
     def train_step() -> float:
         nonlocal step
         t0 = time.perf_counter()
-        forward_backward(job, loader.next_step(), loss_scale)
-        job.step()
-        scheduler.step()
         step += 1
+        trainer.train_step(step)
         return time.perf_counter() - t0
 
-    def trainer_state() -> dict:
-        return {"scheduler": scheduler.state_dict(), "loader": loader.state_dict(), "skipped_steps": 0,
-                "scaler": None}
+    trainer_state = trainer.state_dict
 
     train_step()  # AdamW creates its state on the first step: a checkpoint without it would be a third the size
     out = {"save_s": {"sync": [], "async": []}, "commit_s": {"sync": [], "async": []},

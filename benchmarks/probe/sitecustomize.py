@@ -94,7 +94,7 @@ def _time_restore(manager) -> None:
     def restore(self, *args, **kwargs):
         _event("restore_start")
         out = inner(self, *args, **kwargs)
-        _event("restore_end", step=(out or {}).get("step", 0))
+        _event("restore_end", step=out.step if out is not None else 0)
         return out
 
     manager.CheckpointManager.restore = restore
