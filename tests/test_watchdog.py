@@ -32,4 +32,11 @@ def test_frozen_rank_is_named_and_the_run_ends(tmp_path):
     assert "training failed on rank" in err and "(exit 124)" in err
     assert "rank 1 looks stuck at step" in err, err[-3000:]
     assert "stopped reporting" in err
+    # the diagnosis and the log pointer in one line; the stack dump stays in the rank's log
+    failed = [line for line in err.splitlines() if "training failed on rank" in line]
+    assert len(failed) == 1 and "rank 1 looks stuck at step" in failed[0] and "full log: runs/hang/logs/rank" in \
+        failed[0], err[-3000:]
+    assert "Python stacks" not in err and "Traceback" not in err, err[-3000:]
+    rank = int(failed[0].split("training failed on rank ")[1].split()[0])
+    assert "Python stacks of this rank" in (run / "logs" / f"rank{rank}.log").read_text()
     assert time.monotonic() - started < 60  # not the 600 s collective timeout
