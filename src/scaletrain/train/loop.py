@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -70,11 +72,12 @@ def _truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(keep))
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run the job in this process (one rank of many, or alone); returns the run summary on every rank."""
+def train(cfg: JobConfig, console: TextIO | None = None) -> dict:
+    """Run the job in this process (one rank of many, or alone); returns the run summary on every rank.
+    `console`: the terminal when stderr goes to a rank log (rank 0's progress and log lines go there too)."""
     device_type = pick_device_type(cfg.run.device)
     rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
-    configure_logging(rt.rank, cfg.monitor.all_ranks_log)
+    configure_logging(rt.rank, cfg.monitor.all_ranks_log, console)
     plan = resolve_job(cfg, rt.world_size)
     args, dims = plan.args, plan.dims
     seq, gb = cfg.data.seq_len, cfg.train.global_batch_size
@@ -95,9 +98,10 @@ def train(cfg: JobConfig) -> dict:
               cfg.train.grad_clip, scaler)
 
     tokens = load_tokens(cfg.data, args.vocab_size, cfg.run.seed)
-    if len(tokens) and int(tokens.max()) >= args.vocab_size:
-        raise ValueError(f"data: token id {int(tokens.max())} >= model vocab_size {args.vocab_size}; "
-                         f"check data.token_dtype or set model.vocab_size")
+    # a backstop: preflight already scanned a token file before any rank started
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < args.vocab_size:
+        raise ValueError(f"data: token ids {int(tokens.min())}..{int(tokens.max())} fall outside the model's "
+                         f"vocabulary 0..{args.vocab_size - 1}; check data.token_dtype or set model.vocab_size")
     train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
     loader = DistributedLoader(TokenWindows(train_tokens, seq), gb, plan.micro_batch, dp_rank, dp_size,
                                cfg.run.seed)
@@ -135,7 +139,8 @@ def train(cfg: JobConfig) -> dict:
              gb, seq, plan.accumulation)
     if getattr(model, "pipeline", None) is not None:
         log.info("%s", model.pipeline.describe())
-    progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress)
+    progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress,
+                            console=console)
     mon = TrainMonitor(cfg.monitor, out, rt.rank, rt.world_size, rt.device, model,
                        getattr(args, "flops_per_token", lambda s: None)(seq), cfg.precision.dtype, start_step,
                        dims.describe())
@@ -166,11 +171,13 @@ def train(cfg: JobConfig) -> dict:
             if not torch.isfinite(grad_norm) and scaler is None:
                 loss_now = sum_over_ranks(loss_sum) / tokens_per_step
                 skipped += 1
+                what = "loss" if not math.isfinite(loss_now) else "gradient norm"
+                values = f"loss {loss_now:.6g}, gradient norm {float(grad_norm):.6g}"
                 if cfg.train.nan_policy == "stop" or skipped > cfg.train.max_skipped_steps:
                     raise NonFiniteError(
-                        f"step {step}: loss {loss_now} / gradient norm {float(grad_norm)} is not finite "
-                        f"(train.nan_policy={cfg.train.nan_policy}, {skipped} step(s) skipped); stopping")
-                log.warning("step %d: non-finite loss %s, update skipped (%d/%d)", step, loss_now, skipped,
+                        f"step {step}: {what} is not finite ({values}; train.nan_policy={cfg.train.nan_policy}, "
+                        f"{skipped} step(s) skipped); stopping: lower train.lr or set train.grad_clip")
+                log.warning("step %d: %s is not finite (%s), update skipped (%d/%d)", step, what, values, skipped,
                             cfg.train.max_skipped_steps)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
