@@ -81,6 +81,10 @@ def test_sigkill_of_a_rank_recovers_bit_identical(clean):
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in err, err[-3000:]
+    # one line for the kill, pointing at the rank's log; no torch elastic traceback
+    assert "scaletrain: restarting the worker group (restart 1 of 2) after a failure on rank 1 (exit -9, killed " \
+           "by SIGKILL); full log: runs/killed/logs/rank1.log" in err, err[-3000:]
+    assert "Traceback" not in err and "ProcessExitedException" not in err, err[-3000:]
     assert reached < STEPS
     got, want = _final_weights(cwd / "runs/killed"), _final_weights(ref)
     assert got.keys() == want.keys()
@@ -219,12 +223,20 @@ def test_non_finite_loss_stops_or_skips(tmp_path):
             "--nproc-per-node", "1"]
     proc = run_cli([*base, "run.name=stop"], tmp_path, check=False)
     assert proc.returncode == 1
-    assert "is not finite (train.nan_policy=stop" in proc.stderr
-    assert "scaletrain: training failed on rank 0 (exit 1)" in proc.stderr
+    # one line naming what was not finite, with the rank's log (which keeps the traceback); no tracebacks here
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("scaletrain: training failed on rank 0 (exit 1): NonFiniteError: step "), last
+    assert "is not finite (loss " in last and "train.nan_policy=stop" in last, last
+    assert last.endswith("; full log: runs/stop/logs/rank0.log"), last
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Traceback" in (tmp_path / "runs/stop/logs/rank0.log").read_text()
     proc = run_cli([*base, "run.name=skip", "train.nan_policy=skip", "train.max_skipped_steps=2"], tmp_path,
                    check=False)
     assert proc.returncode == 1
-    assert "update skipped (1/2)" in proc.stderr and "3 step(s) skipped" in proc.stderr
+    warning = next(line for line in proc.stderr.splitlines() if "update skipped (1/2)" in line)
+    # the loss of step 1 is finite and its gradient norm is not: the warning says which, with both values
+    assert "gradient norm is not finite (loss " in warning and "gradient norm nan" in warning, warning
+    assert "3 step(s) skipped" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _resume_copy(src: Path, dst: Path, upto: int) -> None:

@@ -1,5 +1,6 @@
 """Bad input: one line on stderr naming what is wrong, exit code 2, and nothing written."""
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -32,6 +33,16 @@ BAD = [
     (["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29500", "launch.local_addr=203.0.113.7"],
      "launch.local_addr"),                                            # not an address of this host
     (["launch.rdzv_endpoint=29500"], "launch.rdzv_endpoint"),         # not host:port
+    (["launch.rdzv_endpoint=127.0.0.1:99999"], "launch.rdzv_endpoint"),  # port out of range
+    (["launch.rdzv_endpoint=garbage::"], "launch.rdzv_endpoint"),     # not HOST:PORT
+    (["launch.rdzv_endpoint=999.0.0.1:29500"], "launch.rdzv_endpoint"),  # not an IPv4 address
+    (["train.steps=99999999999999999999999"], "train.steps"),         # beyond int64, and beyond any run
+    (["train.global_batch_size=99999999999"], "train.global_batch_size"),
+    (["data.seq_len=9999999999"], "data.seq_len"),
+    (["checkpoint.interval_steps=99999999999"], "checkpoint.interval_steps"),
+    (["run.seed=18446744073709551616"], "run.seed"),                  # 2**64: no torch seed
+    (["launch.collective_timeout_s=inf"], "launch.collective_timeout_s"),  # TOML inf
+    (["train.grad_clip=nan"], "train.grad_clip"),                     # TOML nan
 ]
 
 
@@ -86,3 +97,51 @@ def test_print_config_is_loadable_toml(tmp_path):
     again = run_cli(["train", "job.toml", "--print-config"], tmp_path)
     assert again.stdout == proc.stdout
     assert "steps = 5" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype, ids, field", [
+    ("uint16", [1, 2, 300, 4], "data.path: token id 300 at position 2"),      # above the tiny model's 256
+    ("int32", [1, -5, 2, 3], "data.path: token id -5 at position 1"),        # negative
+])
+def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tmp_path, monkeypatch, dtype, ids, field):
+    data = tmp_path / "data"
+    data.mkdir()
+    np.tile(np.asarray(ids, dtype=dtype), 50_000).tofile(data / "tokens.bin")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = CliRunner().invoke(main, ["train", "data.source=tokens", f"data.path={data / 'tokens.bin'}",
+                                       f"data.token_dtype={dtype}"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"scaletrain: error: {field}"), result.stderr
+    assert "model.vocab_size" in lines[0] or "data.token_dtype" in lines[0]
+    assert list(work.iterdir()) == []
+
+
+PLAN_BAD = [
+    (["--params", "1e30", "--gpus", "8"], "--params"),        # ran for minutes before
+    (["--params", "inf", "--gpus", "8"], "--params"),
+    (["--params", "nan", "--gpus", "8"], "--params"),
+    (["--gpus", "1000000000"], "--gpus"),                     # ran for minutes before
+    (["--gpus", "-3"], "--gpus"),
+    (["--gpus", "8", "--seq-len", "1000000000"], "--seq-len"),
+    (["--gpus", "8", "--global-batch", "1000000000000"], "--global-batch"),
+    (["--gpus", "8", "--global-batch", "0"], "--global-batch"),  # silently became the default before
+    (["--gpus", "8", "--layers", "100000000"], "--layers"),   # a traceback before
+    (["--gpus", "8", "--top", "1000000000"], "--top"),
+    (["--gpus", "8", "--tokens", "inf"], "--tokens"),
+    (["--gpus", "8", "--pue", "inf"], "--pue"),
+    (["--gpus", "8", "--usd-per-gpu-hour", "nan"], "--usd-per-gpu-hour"),
+    (["--gpus", "8", "--cp", "1000000000"], "--cp"),
+]
+
+
+@pytest.mark.parametrize("args, flag", PLAN_BAD, ids=[" ".join(a) for a, _ in PLAN_BAD])
+def test_absurd_planner_input_is_one_line_exit_2(tmp_path, monkeypatch, args, flag):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["plan", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"scaletrain: error: {flag}:"), result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -69,7 +69,7 @@ def test_custom_size_and_cluster_file(tmp_path):
 
 
 BAD = [
-    (["plan", "--gpus", "0"], "--gpus: must be at least 1"),
+    (["plan", "--gpus", "0"], "--gpus: must be 1 to 65,536"),
     (["plan", "--gpus", "8", "--gpu", "h900"], "--gpu: unknown GPU 'h900'"),
     (["plan", "--gpus", "8", "--interconnect", "ib-ndr,nvlink4"], "--interconnect:"),
     (["plan", "--gpus", "12"], "not a whole number of 8-GPU nodes"),

@@ -80,11 +80,14 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.launch.local import launch_local
+    from scaletrain.launch.rank_logs import failure_line, quiet_agent_failures
     from scaletrain.train.preemption import EXIT_REQUEUE
+    from scaletrain.train.preflight import run_dir
     from scaletrain.train.watchdog import EXIT_HANG
 
     try:
-        launch_local(cfg, nproc, rdzv)
+        with quiet_agent_failures(run_dir(cfg), cfg.launch.max_restarts, cfg.launch.nnodes):
+            launch_local(cfg, nproc, rdzv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if codes == {EXIT_REQUEUE}:
@@ -93,8 +96,7 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
             sys.exit(EXIT_REQUEUE)
         # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
         rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
-        click.echo(f"scaletrain: training failed on rank {rank} (exit {first.exitcode}); "
-                   f"see the messages above", err=True)
+        click.echo(f"scaletrain: training failed on {failure_line(run_dir(cfg), rank, first.exitcode)}", err=True)
         sys.exit(1)
     except SignalException as e:
         # the agent was told to stop (scheduler preemption): it sent SIGTERM to the workers, which saved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,32 @@ def _fail(message: str) -> None:
     fail(message)
 
 
+# Input ranges: beyond them an answer means nothing, and the search (divisors of --gpus, one row per layout)
+# would take minutes instead of well under a second.
+PLAN_RANGES = {
+    "--params": (1e8, 1e15, "1,000 T parameters, ~500x the largest trained models"),
+    "--gpus": (1, 65536, "the most GPUs the planner's smallest-setup search tries"),
+    "--gpus-per-node": (1, 65536, "at most --gpus"),
+    "--seq-len": (2, 2**24, "16.8M tokens, beyond the longest trained contexts"),
+    "--global-batch": (1, 2**24, "16.8M sequences, ~1000x the largest published batches"),
+    "--dim": (1, 2**24, "a model dimension"), "--layers": (1, 1024, "~8x the deepest trained models (126 layers)"),
+    "--heads": (1, 2**24, "a model dimension"), "--kv-heads": (1, 2**24, "a model dimension"),
+    "--ffn-dim": (1, 2**24, "a model dimension"), "--vocab": (1, 2**24, "a model dimension"),
+    "--top": (1, 1000, "rows in a table a person reads"),
+    "--tokens": (1, 2**63 - 1, "a token count that fits in int64"),
+}
+
+
+def _in_range(flag: str, value: float | None) -> None:
+    """One line naming the flag and its range when `value` is outside PLAN_RANGES[flag] or not finite."""
+    if value is None:
+        return
+    lo, hi, why = PLAN_RANGES[flag]
+    if not math.isfinite(value) or not lo <= value <= hi:
+        show = (lambda x: f"{x:,}") if isinstance(hi, int) else (lambda x: f"{x:g}")
+        _fail(f"{flag}: must be {show(lo)} to {show(hi)} ({why}); got {show(value)}")
+
+
 def _number(text: str | None, flag: str) -> float | None:
     """'8e9', '8B', '15T', '500M' -> float."""
     if text is None:
@@ -27,8 +54,11 @@ def _number(text: str | None, flag: str) -> float | None:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
         _fail(f"{flag}: expected a number such as 8e9, 8B or 15T (got {text!r})")
+    if not math.isfinite(value):
+        _fail(f"{flag}: must be a finite number (got {text!r})")
     if value <= 0:
         _fail(f"{flag}: must be positive (got {text!r})")
+    _in_range(flag, value)
     return value
 
 
@@ -55,24 +85,17 @@ def _workload(model, params, dims, seq_len, global_batch, gpus):
             _fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
         args, name = preset_spec(model).shape(), model
     changes = {k: v for k, v in dims.items() if v is not None}
-    if changes:
-        for k, v in changes.items():
-            if v <= 0:
-                _fail(f"--{k.replace('_', '-')}: must be positive (got {v})")
+    if changes:  # each already within PLAN_RANGES
         args = dataclasses.replace(args, **changes)
         name += "*"
         try:
             args.check()
         except ValueError as e:
             _fail(str(e))
-    seq = seq_len or min(8192, args.max_seq_len)
-    if seq < 2:
-        _fail(f"--seq-len: must be at least 2 (got {seq})")
+    seq = seq_len if seq_len is not None else min(8192, args.max_seq_len)
     if seq > args.max_seq_len:
         args = dataclasses.replace(args, max_seq_len=seq)
-    gb = global_batch or max(256, gpus)
-    if gb < 1:
-        _fail(f"--global-batch: must be at least 1 (got {gb})")
+    gb = global_batch if global_batch is not None else max(256, gpus)
     return Workload(name, args, seq, gb)
 
 
@@ -86,8 +109,6 @@ def _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, 
         make_cluster,
     )
 
-    if gpus is not None and gpus < 1:
-        _fail(f"--gpus: must be at least 1 (got {gpus})")
     try:
         if cluster_file:
             cluster = load_cluster(cluster_file, gpus)
@@ -239,12 +260,15 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
 
     params = _number(params_text, "--params")
     tokens = _number(tokens_text, "--tokens")
-    if top < 1:
-        _fail(f"--top: must be at least 1 (got {top})")
-    if pue is not None and pue < 1:
-        _fail(f"--pue: must be at least 1.0 (got {pue})")
-    if usd_per_gpu_hour is not None and usd_per_gpu_hour < 0:
-        _fail(f"--usd-per-gpu-hour: must not be negative (got {usd_per_gpu_hour})")
+    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--seq-len", seq_len),
+                        ("--global-batch", global_batch), ("--dim", dim), ("--layers", n_layers),
+                        ("--heads", n_heads), ("--kv-heads", n_kv_heads), ("--ffn-dim", ffn_dim),
+                        ("--vocab", vocab_size), ("--top", top)):
+        _in_range(flag, value)
+    if pue is not None and not (math.isfinite(pue) and pue >= 1):
+        _fail(f"--pue: must be a finite number of at least 1.0 (got {pue})")
+    if usd_per_gpu_hour is not None and not (math.isfinite(usd_per_gpu_hour) and usd_per_gpu_hour >= 0):
+        _fail(f"--usd-per-gpu-hour: must be a finite number, not negative (got {usd_per_gpu_hour})")
     precs, acs = _list(precisions), _list(ac_modes)
     for p in precs:
         if p not in PRECISIONS:
@@ -267,8 +291,8 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
             cps = tuple(int(x) for x in _list(cp_text))
         except ValueError:
             _fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
-        if any(c < 1 for c in cps):
-            _fail(f"--cp: degrees must be at least 1 (got {cp_text!r})")
+        if any(not 1 <= c <= PLAN_RANGES["--gpus"][1] for c in cps):
+            _fail(f"--cp: degrees must be 1 to {PLAN_RANGES['--gpus'][1]:,} (got {cp_text!r})")
     opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top,
                          **({"schedules": sched} if sched else {}))
 

@@ -6,13 +6,27 @@ TOML file or a `key=value` override is one clear error instead of a default quie
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Upper bounds on counts. Python ints are unbounded but torch, numpy and TensorBoard hold steps, sizes and positions
+# as int64; each bound is far beyond any real run and keeps the products the trainer forms inside int64.
+MAX_STEPS = 10**9  # optimizer steps (and step intervals): 3 years at 10 steps/s; x MAX_SEQUENCES < 2**63 samples
+MAX_SEQUENCES = 2**24  # sequences per step: ~1000x the largest published LLM batches
+MAX_TOKENS_PER_SEQUENCE = 2**24  # 16.8M tokens per sample, beyond the longest trained contexts; x MAX_SEQUENCES < 2**63
+MAX_MODEL_DIM = 2**24  # hidden/FFN/vocabulary/layer/head counts: a weight's elements (a product of two) < 2**63
+MAX_RANKS = 2**24  # ranks, nodes and parallel degrees: ~100x the largest GPU clusters
+MAX_SEED = 2**50  # the loader seeds torch with seed x 7,919 + epoch, which must stay below 2**63
+MAX_SECONDS = 10**9  # ~32 years: what datetime.timedelta and c10d's int64 millisecond timeouts accept
+MAX_STREAM_TOKENS = 2**36  # a stream held in memory as int64 on every rank: 512 GiB
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+    # allow_inf_nan=False: `inf` and `nan` are valid TOML floats, and nothing here means them
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -21,18 +35,18 @@ class RunConfig(Section):
     output_dir: str = Field("runs", min_length=1, description="parent folder of run folders")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA GPUs with NCCL when present, else CPU ranks with gloo")
-    seed: int = Field(0, ge=0, description="seeds model init, data order and dropout")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds model init, data order and dropout")
 
 
 class ModelConfig(Section):
     name: str = Field("tiny", description="built-in preset: see `scaletrain models`")
-    dim: int | None = Field(None, gt=0, description="override the preset's hidden size")
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    ffn_dim: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
+    dim: int | None = Field(None, gt=0, le=MAX_MODEL_DIM, description="override the preset's hidden size")
+    n_layers: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
+    n_heads: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
+    n_kv_heads: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
+    ffn_dim: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
+    vocab_size: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
+    max_seq_len: int | None = Field(None, gt=0, le=MAX_TOKENS_PER_SEQUENCE)
 
 
 class DataConfig(Section):
@@ -41,10 +55,11 @@ class DataConfig(Section):
         "tokens: a flat file of token ids (path, token_dtype); synthetic: random tokens")
     path: str | None = Field(None, description="token file for source='tokens'")
     token_dtype: Literal["uint8", "uint16", "int32"] = "uint16"
-    seq_len: int = Field(256, gt=1, description="tokens per sample")
+    seq_len: int = Field(256, gt=1, le=MAX_TOKENS_PER_SEQUENCE, description="tokens per sample")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="tail share of the stream held out")
-    max_bytes: int = Field(4_000_000, gt=0, description="stdlib source: bytes of text read, at most")
-    synthetic_tokens: int = Field(1_000_000, gt=0, description="synthetic source: stream length")
+    max_bytes: int = Field(
+        4_000_000, gt=0, le=MAX_STREAM_TOKENS, description="stdlib source: bytes of text read, at most")
+    synthetic_tokens: int = Field(1_000_000, gt=0, le=MAX_STREAM_TOKENS, description="synthetic source: stream length")
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
@@ -68,10 +83,11 @@ class ParallelConfig(Section):
     Applied in one fixed order: pipeline split -> TP -> activation checkpointing -> compile -> FSDP/DDP.
     """
 
-    dp_replicate: int = Field(1, ge=1, description="replicated data-parallel degree (DDP, or HSDP's outer dim)")
-    dp_shard: int = Field(-1, ge=-1, description="sharded data-parallel degree (FSDP2); -1: the rest")
-    tp: int = Field(1, ge=1, description="tensor-parallel degree")
-    pp: int = Field(1, ge=1, description="pipeline-parallel degree")
+    dp_replicate: int = Field(
+        1, ge=1, le=MAX_RANKS, description="replicated data-parallel degree (DDP, or HSDP's outer dim)")
+    dp_shard: int = Field(-1, ge=-1, le=MAX_RANKS, description="sharded data-parallel degree (FSDP2); -1: the rest")
+    tp: int = Field(1, ge=1, le=MAX_RANKS, description="tensor-parallel degree")
+    pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline-parallel degree")
     fsdp_reshard_after_forward: bool = Field(
         True, description="False keeps gathered params from forward to backward (ZeRO-2-like)")
     ddp_bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size, MiB")
@@ -86,10 +102,10 @@ class ParallelConfig(Section):
     pp_schedule: Literal[PP_SCHEDULES] = Field(  # type: ignore[valid-type]
         "1F1B", description="pipeline schedule (torch.distributed.pipelining name)")
     pp_microbatches: int | None = Field(
-        None, gt=0, description="pipeline micro-batches per step and data-parallel rank; "
+        None, gt=0, le=MAX_SEQUENCES, description="pipeline micro-batches per step and data-parallel rank; "
         "None: from train.micro_batch_size, else the number of stages")
     pp_stages_per_rank: int | None = Field(
-        None, gt=0, description="pipeline stages per rank; None: 1 for GPipe/1F1B, 2 for the others")
+        None, gt=0, le=MAX_MODEL_DIM, description="pipeline stages per rank; None: 1 for GPipe/1F1B, 2 for the others")
     pp_balance: Literal["cost", "layers"] = Field(
         "cost", description="stage split: cost balances estimated FLOPs (embedding and head counted); "
         "layers: equal layer counts")
@@ -99,7 +115,7 @@ class ParallelConfig(Section):
     ac_selective: Literal["op", "layer"] = Field(
         "op", description="selective: op keeps matmul/attention outputs and recomputes the rest; "
         "layer checkpoints every ac_every-th block")
-    ac_every: int = Field(2, ge=1, description="selective layer checkpointing: every k-th block")
+    ac_every: int = Field(2, ge=1, le=MAX_MODEL_DIM, description="selective layer checkpointing: every k-th block")
     compile: bool = Field(False, description="torch.compile each transformer block")
 
     @property
@@ -129,24 +145,26 @@ class ParallelConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(300, gt=0, description="optimizer steps")
-    global_batch_size: int = Field(16, gt=0, description="sequences per optimizer step, all ranks together")
+    steps: int = Field(300, gt=0, le=MAX_STEPS, description="optimizer steps")
+    global_batch_size: int = Field(
+        16, gt=0, le=MAX_SEQUENCES, description="sequences per optimizer step, all ranks together")
     micro_batch_size: int | None = Field(
-        None, gt=0, description="sequences per rank per forward; None: no accumulation")
+        None, gt=0, le=MAX_SEQUENCES, description="sequences per rank per forward; None: no accumulation")
     lr: float = Field(3e-3, gt=0.0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a share of the peak")
-    warmup_steps: int = Field(20, ge=0, description="linear warmup; capped at steps")
+    warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="linear warmup; capped at steps")
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     weight_decay: float = Field(0.1, ge=0.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
     eps: float = Field(1e-8, gt=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="max global grad norm; 0 disables clipping")
-    eval_interval: int = Field(100, ge=0, description="steps between validation runs; 0: only at the end")
-    eval_batches: int = Field(4, gt=0, description="validation batches (global_batch_size each) per run")
+    eval_interval: int = Field(100, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
+    eval_batches: int = Field(4, gt=0, le=MAX_STEPS, description="validation batches (global_batch_size each) per run")
     nan_policy: Literal["stop", "skip"] = Field(
         "stop", description="a non-finite loss or gradient: stop with the step, or skip that step's update")
-    max_skipped_steps: int = Field(10, ge=0, description="nan_policy=skip: stop after this many skipped steps")
+    max_skipped_steps: int = Field(
+        10, ge=0, le=MAX_STEPS, description="nan_policy=skip: stop after this many skipped steps")
 
 
 class PrecisionConfig(Section):
@@ -154,17 +172,18 @@ class PrecisionConfig(Section):
         "fp32", description="compute dtype; weights and optimizer states stay fp32")
     reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="gradient reduction dtype (FSDP)")
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16: initial loss scale")
-    loss_scale_growth_interval: int = Field(2000, gt=0, description="fp16: good steps before scale doubles")
+    loss_scale_growth_interval: int = Field(
+        2000, gt=0, le=MAX_STEPS, description="fp16: good steps before scale doubles")
 
 
 class CheckpointConfig(Section):
-    interval_steps: int = Field(0, ge=0, description="save every N steps; 0: not by step count")
+    interval_steps: int = Field(0, ge=0, le=MAX_STEPS, description="save every N steps; 0: not by step count")
     interval_minutes: float = Field(0.0, ge=0.0, description="save when this many minutes passed; 0: not by time")
     save_final: bool = Field(False, description="save after the last step")
-    keep: int = Field(3, ge=0, description="committed checkpoints kept (newest); 0 keeps all")
+    keep: int = Field(3, ge=0, le=MAX_STEPS, description="committed checkpoints kept (newest); 0 keeps all")
     async_save: bool = Field(True, description="write in the background (dcp.async_save) while training goes on")
     async_commit_after_steps: int = Field(
-        2, ge=1, description="an async save is awaited and committed this many steps after it started")
+        2, ge=1, le=MAX_STEPS, description="an async save is awaited and committed this many steps after it started")
     resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
     verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
     dir: str | None = Field(None, description="where checkpoints go; default: the run folder's checkpoints/")
@@ -174,7 +193,8 @@ class CheckpointConfig(Section):
 
 
 class MonitorConfig(Section):
-    log_interval: int = Field(10, gt=0, description="steps between loss reports (each costs one all-reduce)")
+    log_interval: int = Field(
+        10, gt=0, le=MAX_STEPS, description="steps between loss reports (each costs one all-reduce)")
     progress: bool = Field(True, description="progress bar on rank 0")
     all_ranks_log: bool = Field(False, description="also show log lines of ranks other than 0")
     breakdown: bool = Field(
@@ -185,10 +205,12 @@ class MonitorConfig(Section):
         1.0, ge=0.0, description="seconds between device samples (GPU: NVML; CPU: CPU % and RSS); 0: off")
     nvtx: bool = Field(True, description="CUDA: NVTX ranges around phases, for Nsight Systems timelines")
     profile_at_step: int = Field(
-        0, ge=0, description="first step a torch.profiler window records (Chrome trace per rank in profile/); 0: off")
-    profile_wait: int = Field(1, ge=0, description="profiler: idle steps before warmup")
-    profile_warmup: int = Field(1, ge=0, description="profiler: warm-up steps (recorded, discarded) before the window")
-    profile_active: int = Field(2, gt=0, description="profiler: steps recorded")
+        0, ge=0, le=MAX_STEPS,
+        description="first step a torch.profiler window records (Chrome trace per rank in profile/); 0: off")
+    profile_wait: int = Field(1, ge=0, le=MAX_STEPS, description="profiler: idle steps before warmup")
+    profile_warmup: int = Field(
+        1, ge=0, le=MAX_STEPS, description="profiler: warm-up steps (recorded, discarded) before the window")
+    profile_active: int = Field(2, gt=0, le=MAX_STEPS, description="profiler: steps recorded")
     # diagnosis thresholds (percent)
     data_wait_pct: float = Field(10.0, gt=0, description="diagnosis: data-loader bound above this share of a step")
     comm_pct: float = Field(30.0, gt=0, description="diagnosis: communication bound above this share of a step")
@@ -203,7 +225,8 @@ class MonitorConfig(Section):
     fault_data_delay_ms: float = Field(
         0.0, ge=0.0, description="FAULT INJECTION (testing only): sleep this long in every data fetch on every rank")
     fault_slow_rank: int = Field(
-        -1, ge=-1, description="FAULT INJECTION (testing only): this rank sleeps fault_slow_rank_ms per forward")
+        -1, ge=-1, le=MAX_RANKS,
+        description="FAULT INJECTION (testing only): this rank sleeps fault_slow_rank_ms per forward")
     fault_slow_rank_ms: float = Field(0.0, ge=0.0, description="FAULT INJECTION (testing only): see fault_slow_rank")
 
     @model_validator(mode="after")
@@ -214,24 +237,61 @@ class MonitorConfig(Section):
         return self
 
 
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def check_endpoint(value: str) -> None:
+    """HOST:PORT with a host name, IPv4 or [IPv6] address and a port 0..65535; ValueError naming
+    launch.rdzv_endpoint otherwise."""
+    fix = "use HOST:PORT, e.g. 127.0.0.1:0 (0 picks a free port), node1:29500 or [::1]:29500"
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"launch.rdzv_endpoint: {value!r} is not HOST:PORT; {fix}")
+    if int(port) > 65535:
+        raise ValueError(f"launch.rdzv_endpoint: port {int(port)} is out of range 0..65535; {fix}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+            return
+        except ValueError:
+            raise ValueError(f"launch.rdzv_endpoint: {host!r} is not an IPv6 address; {fix}") from None
+    if len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split(".")):
+        if not host.replace(".", "").isdigit():
+            return
+        try:  # all-digit dotted names must be a real IPv4 address (999.1.1.1 is not)
+            ipaddress.IPv4Address(host)
+            return
+        except ValueError:
+            pass
+    raise ValueError(f"launch.rdzv_endpoint: host {host!r} is not a host name, IPv4 or [IPv6] address; {fix}")
+
+
 class LaunchConfig(Section):
-    nproc_per_node: int = Field(0, ge=0, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks")
-    nnodes: int = Field(1, gt=0)
+    nproc_per_node: int = Field(
+        0, ge=0, le=MAX_RANKS, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks")
+    nnodes: int = Field(1, gt=0, le=MAX_RANKS)
     rdzv_endpoint: str = Field(
-        "127.0.0.1:0", description="host:port of the c10d rendezvous; port 0 picks a free one. One host "
-        "(nnodes=1): only the port is used, everything listens on 127.0.0.1")
+        "127.0.0.1:0", description="HOST:PORT of the c10d rendezvous (host name, IPv4 or [IPv6]); port 0 picks a "
+        "free one. One host (nnodes=1): only the port is used, everything listens on 127.0.0.1")
     local_addr: str = Field(
         "", description="nnodes > 1: this host's IP address that the other nodes reach; rank 0's store and the "
         "gloo/NCCL sockets bind to it. Empty: the address of the interface that routes to the rendezvous host")
-    max_restarts: int = Field(0, ge=0, description="worker-group restarts by the torchrun agent")
+    max_restarts: int = Field(0, ge=0, le=MAX_STEPS, description="worker-group restarts by the torchrun agent")
     collective_timeout_s: float = Field(
-        600.0, gt=0, description="process-group timeout for a collective; also the hang limit until step 1 is done")
+        600.0, gt=0, le=MAX_SECONDS,
+        description="process-group timeout for a collective; also the hang limit until step 1 is done")
     hang_timeout_s: float = Field(
-        300.0, ge=0, description="after step 1: a rank without progress this long names the stuck rank and exits "
-        "124 (0: no watchdog)")
+        300.0, ge=0, le=MAX_SECONDS, description="after step 1: a rank without progress this long names the stuck "
+        "rank and exits 124 (0: no watchdog)")
     shutdown_timeout_s: int = Field(
-        30, gt=0, description="the agent's grace between SIGTERM and SIGKILL when it stops workers (they save a "
-        "checkpoint in it when preempted)")
+        30, gt=0, le=MAX_SECONDS, description="the agent's grace between SIGTERM and SIGKILL when it stops workers "
+        "(they save a checkpoint in it when preempted)")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        check_endpoint(value)
+        return value
 
 
 class JobConfig(Section):

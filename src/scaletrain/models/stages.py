@@ -7,7 +7,6 @@ plus loss the last, and with a large vocabulary the head alone can cost several 
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -62,24 +61,25 @@ def split_layers(costs: Sequence[float], n_stages: int, balance: str = "cost") -
             bounds.append((start, end))
             start = end
         return bounds
-    # the optimum is the cost of some contiguous run of layers: binary-search the smallest run cost whose greedy
-    # packing needs no more than n_stages stages (O(n² log n), a few ms for hundreds of layers)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
     costs = list(costs)
-    runs = sorted({prefix[j] - prefix[i] for i in range(n) for j in range(i + 1, n + 1)})
-    lo = bisect.bisect_left(runs, max(costs) * (1.0 - 1e-12))  # runs are prefix differences: rounded
-    hi = len(runs) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _greedy_cuts(costs, n_stages, runs[mid]) is None:
-            lo = mid + 1
-        else:
+    # bisect, down to adjacent floats, the smallest stage-cost limit that greedy packing fits into n_stages stages
+    # in both directions (they differ only by rounding): O(n log) where sorting all n² runs took minutes at 16k layers
+    backwards = costs[::-1]
+
+    def packs(limit: float) -> bool:
+        return _greedy_cuts(costs, n_stages, limit) is not None and _greedy_cuts(backwards, n_stages, limit) is not None
+
+    lo, hi = max(costs) * (1.0 - 1e-12), float(sum(costs)) * (1.0 + 1e-9)  # hi always packs
+    if packs(lo):
+        hi = lo
+    while lo < (mid := (lo + hi) / 2) < hi:
+        if packs(mid):
             hi = mid
+        else:
+            lo = mid
     # packed from the last stage backwards, so spare capacity lands on the first stages, which hold the most
     # micro-batches in flight under 1F1B-style schedules
-    return [(n - b, n - a) for a, b in reversed(_greedy_cuts(costs[::-1], n_stages, runs[lo]))]
+    return [(n - b, n - a) for a, b in reversed(_greedy_cuts(backwards, n_stages, hi))]
 
 
 def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]]) -> list[float]:

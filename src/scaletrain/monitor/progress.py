@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 log = logging.getLogger("scaletrain")
 
 
-def configure_logging(rank: int, all_ranks: bool) -> None:
-    """Rank 0 logs at INFO; other ranks only warnings and errors unless all_ranks."""
+def configure_logging(rank: int, all_ranks: bool, console: TextIO | None = None) -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors unless all_ranks. With `console` (the terminal,
+    when stderr goes to a rank log) rank 0, or every rank with all_ranks, logs to both."""
     level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
     prefix = f"[rank{rank}] " if all_ranks else ""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
-    log.handlers[:] = [handler]
+    streams = [sys.stderr] + ([console] if console is not None and (rank == 0 or all_ranks) else [])
+    log.handlers[:] = [logging.StreamHandler(s) for s in streams]
+    for handler in log.handlers:
+        handler.setFormatter(logging.Formatter(prefix + "%(message)s"))
     log.setLevel(level)
     log.propagate = False
 
@@ -25,15 +28,18 @@ class StepProgress:
     """Step, loss, tokens/s, the monitor's headline (MFU, step breakdown, straggler) and ETA. Bar on a terminal;
     on anything else a log line per update."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, bar: bool):
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, bar: bool, console: TextIO | None = None):
         self.enabled = enabled
         self.total = total_steps
         self._bar = None
-        if enabled and bar and sys.stderr.isatty():
+        if enabled and bar and (console or sys.stderr).isatty():
+            from rich.console import Console
+
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)
+                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False,
+                console=Console(file=console) if console is not None else None)
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-",
                                         extra="")
             self._bar.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch.distributed as dist
 
@@ -86,7 +87,7 @@ def resume(trainer: Trainer, ckpt: CheckpointManager) -> int:
 class _Outputs:
     """Rank 0's run folder outputs and every rank's monitor, opened and closed together."""
 
-    def __init__(self, trainer: Trainer, out: Path, start_step: int):
+    def __init__(self, trainer: Trainer, out: Path, start_step: int, console: TextIO | None):
         cfg, rt = trainer.cfg, trainer.rt
         self.out = out
         self.sink = None
@@ -97,7 +98,8 @@ class _Outputs:
                 _truncate_metrics(out / "metrics.jsonl", start_step)
             self.sink = open_sinks(cfg.monitor, out, start_step)
         pipeline = trainer.model.pipeline
-        self.progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress)
+        self.progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress,
+                                     console=console)
         self.monitor = TrainMonitor(cfg.monitor, out, rt.rank, rt.world_size, rt.device, trainer.model.module,
                                     trainer.spec.flops_per_token(cfg.data.seq_len), cfg.precision.dtype,
                                     start_step, trainer.dims.describe(),
@@ -142,20 +144,21 @@ class _LogWindow:
         return loss
 
 
-def train(cfg: JobConfig) -> dict:
-    """Run the job in this process (one rank of many, or alone); returns the run summary on every rank."""
+def train(cfg: JobConfig, console: TextIO | None = None) -> dict:
+    """Run the job in this process (one rank of many, or alone); returns the run summary on every rank.
+    `console`: the terminal when stderr goes to a rank log (rank 0's progress and log lines go there too)."""
     trainer = Trainer.build(cfg)
-    configure_logging(trainer.rt.rank, cfg.monitor.all_ranks_log)
-    return fit(trainer)
+    configure_logging(trainer.rt.rank, cfg.monitor.all_ranks_log, console)
+    return fit(trainer, console)
 
 
-def fit(trainer: Trainer) -> dict:
+def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
     """Train `trainer` to train.steps with checkpoints, metrics, evaluation, preemption and hang detection."""
     cfg, rt = trainer.cfg, trainer.rt
     out = run_dir(cfg)
     ckpt = open_checkpoints(trainer, out)
     start_step = resume(trainer, ckpt)
-    outputs = _Outputs(trainer, out, start_step)
+    outputs = _Outputs(trainer, out, start_step, console)
     log.info("scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d",
              cfg.model.name, rt.world_size, rt.device.type, trainer.dims.describe(), trainer.spec.num_params() / 1e6,
              cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, trainer.resolved.accumulation)

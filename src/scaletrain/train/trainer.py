@@ -9,6 +9,7 @@ over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,10 @@ def build_loaders(cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: 
     """(training loader, validation loader) of this data-parallel rank."""
     vocab = resolved.spec.vocab_size
     tokens = load_tokens(cfg.data, vocab, cfg.run.seed)
-    if len(tokens) and int(tokens.max()) >= vocab:
-        raise ValueError(f"data: token id {int(tokens.max())} >= model vocab_size {vocab}; "
-                         f"check data.token_dtype or set model.vocab_size")
+    # a backstop: preflight already scanned a token file before any rank started
+    if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+        raise ValueError(f"data: token ids {int(tokens.min())}..{int(tokens.max())} fall outside the model's "
+                         f"vocabulary 0..{vocab - 1}; check data.token_dtype or set model.vocab_size")
     train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
     seq, gb, seed = cfg.data.seq_len, cfg.train.global_batch_size, cfg.run.seed
     return (DistributedLoader(TokenWindows(train_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed),
@@ -121,14 +123,17 @@ class Trainer:
         with timer.phase("optimizer"):
             grad_norm = self.job.step(skip_nonfinite=policy == "skip")
         if not torch.isfinite(grad_norm) and self.job.scaler is None:
-            # the norm is what decides; the loss (finite or not) says whether forward or backward blew up
-            what = f"the gradient norm ({float(grad_norm)}; loss {self.mean_loss(loss_sum):.6g})"
+            # the norm decides; the loss (finite or not) says whether forward or only backward blew up
+            loss = self.mean_loss(loss_sum)
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            values = f"loss {loss:.6g}, gradient norm {float(grad_norm):.6g}"
             self.skipped_steps += 1
             if policy == "stop" or self.skipped_steps > self.cfg.train.max_skipped_steps:
-                raise NonFiniteError(f"step {step}: {what} is not finite (train.nan_policy={policy}, "
-                                     f"{self.skipped_steps} step(s) skipped); stopping")
-            log.warning("step %d: %s is not finite, update skipped (%d/%d)", step, what, self.skipped_steps,
-                        self.cfg.train.max_skipped_steps)
+                raise NonFiniteError(f"step {step}: {what} is not finite ({values}; train.nan_policy={policy}, "
+                                     f"{self.skipped_steps} step(s) skipped); stopping: lower train.lr or set "
+                                     f"train.grad_clip")
+            log.warning("step %d: %s is not finite (%s), update skipped (%d/%d)", step, what, values,
+                        self.skipped_steps, self.cfg.train.max_skipped_steps)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         return StepResult(loss_sum, grad_norm, lr)

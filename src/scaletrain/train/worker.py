@@ -4,17 +4,28 @@ launcher: `torchrun --nproc-per-node 2 -m scaletrain.train.worker [CONFIG.toml] 
 
 from __future__ import annotations
 
+import os
 import sys
 
 from scaletrain.config import load_config, validate_config
+from scaletrain.launch.rank_logs import log_exception, redirect_to_rank_log
 from scaletrain.parallel.runtime import shutdown_distributed
 from scaletrain.train.loop import train
+from scaletrain.train.preflight import run_dir
 
 
 def run_from_dict(tree: dict) -> dict:
-    """Entry point for the torchrun agent (picklable: a plain dict of the resolved config)."""
+    """Entry point for the torchrun agent (picklable: a plain dict of the resolved config). Everything the rank
+    writes goes to RUN_DIR/logs/rank<r>.log; rank 0's progress still reaches the terminal."""
+    cfg = validate_config(tree)
+    rank = int(os.environ.get("RANK", "0"))
+    console = redirect_to_rank_log(run_dir(cfg), rank)
     try:
-        return train(validate_config(tree))
+        return train(cfg, console=console)
+    except BaseException as e:
+        if not isinstance(e, SystemExit):  # SystemExit(EXIT_REQUEUE) is a preemption, already logged
+            log_exception(rank, e)
+        raise
     finally:
         shutdown_distributed()
 
