@@ -93,4 +93,4 @@ def load_hf_weights(model, folder: Path, spec: ModelSpec) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     state = read_hf_weights(folder, spec)
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=True))

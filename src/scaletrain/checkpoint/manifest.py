@@ -65,7 +65,7 @@ def _fsync_dir(path: Path) -> None:
 
 def commit(partial: Path, final: Path, info: dict) -> dict:
     """Checksum every file of `partial`, write the manifest, then rename to `final` (atomic on one filesystem)."""
-    files = {}
+    files: dict[str, dict] = {}
     for p in sorted(partial.iterdir()):
         if p.is_file() and p.name != MANIFEST:
             files[p.name] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
@@ -164,16 +164,16 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Committed-looking checkpoint folders (step_NNNNNNNN) under root, newest step first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def set_aside_dirs(root: Path) -> list[Path]:
     """Checkpoints a resume set aside as corrupt (`step_N.corrupt-<time>`), newest step first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and ASIDE_DIR.match(p.name)]
-    return sorted(found, key=lambda p: (int(ASIDE_DIR.match(p.name).group(1)), p.name), reverse=True)
+    found = [(int(m.group(1)), p.name, p) for p in root.iterdir() if p.is_dir() and (m := ASIDE_DIR.match(p.name))]
+    return [p for _, _, p in sorted(found, reverse=True)]
 
 
 def partial_dirs(root: Path) -> list[Path]:

@@ -41,7 +41,8 @@ def load_tokens(cfg: DataConfig, vocab_size: int, seed: int) -> torch.Tensor:
     if cfg.source == "stdlib":
         data = np.frombuffer(stdlib_bytes(cfg.max_bytes), dtype=np.uint8)
     elif cfg.source == "tokens":
-        data = np.fromfile(cfg.path, dtype=np.dtype(cfg.token_dtype))
+        assert cfg.path is not None  # preflight refuses source=tokens without data.path
+        data = np.fromfile(cfg.path, dtype=cfg.token_dtype)
     else:
         gen = torch.Generator().manual_seed(seed + 7919)
         return torch.randint(0, vocab_size, (cfg.synthetic_tokens,), generator=gen)

@@ -80,7 +80,11 @@ def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int =
         model.zero_grad(set_to_none=True)
 
     ops = count_dispatched_ops(step)
-    seconds = _timed(lambda: [step() for _ in range(iterations)], repeats)
+    def steps() -> None:
+        for _ in range(iterations):
+            step()
+
+    seconds = _timed(steps, repeats)
     return seconds / (iterations * ops)
 
 

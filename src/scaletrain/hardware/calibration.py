@@ -58,7 +58,7 @@ def load_calibration(path: str | Path) -> Calibration:
     for key in ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s"):
         if key in tree and (not isinstance(tree[key], (int, float)) or tree[key] <= 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
-    return Calibration(**{k: tree.get(k) for k in names})
+    return Calibration(**{k: tree.get(k) for k in names})  # type: ignore[arg-type]  # checked above
 
 
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:

@@ -38,6 +38,8 @@ def _family_modules() -> list:
                 init = Path(folder) / info.name / "__init__.py"
                 spec = importlib.util.spec_from_file_location(name, init,
                                                               submodule_search_locations=[str(init.parent)])
+                if spec is None or spec.loader is None:
+                    raise RuntimeError(f"{PATH_ENV}: {init} cannot be imported as a model family package")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[name] = module
                 spec.loader.exec_module(module)

@@ -32,7 +32,8 @@ def layer_costs(args, seq_len: int) -> list[float]:
 def _greedy_cuts(costs: Sequence[float], n_stages: int, limit: float) -> list[tuple[int, int]] | None:
     """Fill stages left to right up to `limit` each, cutting early where every later stage needs its one layer
     (so a feasible limit gives exactly n_stages stages); None when `limit` needs more than n_stages."""
-    n, bounds, start, total = len(costs), [], 0, 0.0
+    n, start, total = len(costs), 0, 0.0
+    bounds: list[tuple[int, int]] = []
     limit *= 1.0 + 1e-12  # `limit` is a difference of prefix sums: allow the rounding of adding in another order
     for i, c in enumerate(costs):
         stages_left = n_stages - len(bounds)
@@ -79,7 +80,9 @@ def split_layers(costs: Sequence[float], n_stages: int, balance: str = "cost") -
             lo = mid
     # packed from the last stage backwards, so spare capacity lands on the first stages, which hold the most
     # micro-batches in flight under 1F1B-style schedules
-    return [(n - b, n - a) for a, b in reversed(_greedy_cuts(backwards, n_stages, hi))]
+    cuts = _greedy_cuts(backwards, n_stages, hi)
+    assert cuts is not None  # hi is feasible: the bisection keeps it so
+    return [(n - b, n - a) for a, b in reversed(cuts)]
 
 
 def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]]) -> list[float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -33,6 +34,11 @@ class ParallelModel:
     module: nn.Module  # the wrapped model; with pp > 1 a PipelinedModel of this rank's stages
     pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
+
+    @property
+    def stages(self) -> list[nn.Module]:
+        """This rank's pipeline stage modules (empty without a pipeline)."""
+        return list(cast(PipelinedModel, self.module)) if self.pipeline is not None else []
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -9,17 +9,18 @@ from torch import nn
 from scaletrain.models.spec import ModelSpec
 
 
-def block_container(model: nn.Module, spec: ModelSpec | None = None) -> tuple[str, nn.ModuleDict | nn.ModuleList] | None:
+def block_container(model: nn.Module, spec: ModelSpec | None = None
+                    ) -> tuple[str, nn.ModuleDict | nn.ModuleList] | None:
     """(path, container) of the model's repeated blocks, or None when it has none."""
     if spec is not None:
         container = spec.blocks(model)
         path = next((n for n, m in model.named_modules() if m is container), "")
         return path, container
-    best: tuple[str, nn.Module] | None = None
+    best: tuple[str, nn.ModuleDict | nn.ModuleList] | None = None
     for path, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and (best is None or len(m) > len(best[1])):
             best = (path, m)
-    return best  # type: ignore[return-value]
+    return best
 
 
 def block_items(container: nn.ModuleDict | nn.ModuleList) -> list[tuple[str, nn.Module]]:
@@ -30,4 +31,7 @@ def block_items(container: nn.ModuleDict | nn.ModuleList) -> list[tuple[str, nn.
 
 
 def set_block(container: nn.ModuleDict | nn.ModuleList, key: str, block: nn.Module) -> None:
-    container[key if isinstance(container, nn.ModuleDict) else int(key)] = block
+    if isinstance(container, nn.ModuleDict):
+        container[key] = block
+    else:
+        container[int(key)] = block

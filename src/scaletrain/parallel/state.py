@@ -3,6 +3,8 @@ comparing layouts, exporting, or handing weights to code that knows nothing of m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,7 +23,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for part in parts:
         state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         for name, value in state.items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[plain_param_name(name)] = value.detach().cpu().clone()
+            tensor: Any = value  # a DTensor (sharded by FSDP/TP) or a plain tensor
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            out[plain_param_name(name)] = tensor.detach().cpu().clone()
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ def _grad_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     for p in params:
         if p.grad is None:
             continue
-        g = p.grad
+        g: Any = p.grad  # a plain tensor or a DTensor
         key = (id(g.device_mesh), tuple(g.placements)) if hasattr(g, "device_mesh") else None
         groups.setdefault(key, []).append(p)
     return list(groups.values())
@@ -53,10 +54,10 @@ def global_grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
     and with pipeline parallelism the stages' squared norms add up over pp_group."""
     total = torch.zeros((), dtype=torch.float32)
     for group in _grad_groups(params):
-        grads = [p.grad for p in group]
+        grads: list[Any] = [p.grad for p in group]  # plain tensors or DTensors (placements, device_mesh)
         placements = getattr(grads[0], "placements", ())
         if any(pl.is_partial() for pl in placements):
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).full_tensor()
+            norm = cast(Any, torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)).full_tensor()
             squared = norm.float() ** 2
         else:
             # squared norms of the local shards add up over every mesh dim that shards them (not over replicas);
@@ -92,14 +93,14 @@ class Job:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     dims: ParallelDims
-    mesh: object
+    mesh: Any  # DeviceMesh with named dims (parallel/dims.py)
     device: torch.device
     rank: int
     world_size: int
     dp_rank: int
     dtype: str = "fp32"
     grad_clip: float = 0.0
-    scaler: object | None = None
+    scaler: torch.amp.GradScaler | None = None  # fp16 only (ShardedGradScaler under FSDP)
     pipeline: Pipeline | None = None  # the schedule running this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits are vocabulary-sharded: loss and backward under loss_parallel()
     _params: list = field(default_factory=list, repr=False)
@@ -128,12 +129,13 @@ class Job:
         if self.dims.pp > 1:
             yield
             return
+        model = cast(Any, self.model)  # DistributedDataParallel or an FSDPModule, by dims.mode
         if self.dims.mode == "ddp" and not sync:
-            with self.model.no_sync():
+            with model.no_sync():
                 yield
             return
         if self.dims.mode in ("fsdp", "hsdp"):
-            self.model.set_requires_gradient_sync(sync)
+            model.set_requires_gradient_sync(sync)
         yield
 
     def backward(self, loss: torch.Tensor) -> None:

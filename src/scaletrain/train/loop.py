@@ -103,7 +103,7 @@ class _Outputs:
         self.monitor = TrainMonitor(cfg.monitor, out, rt.rank, rt.world_size, rt.device, trainer.model.module,
                                     trainer.spec.flops_per_token(cfg.data.seq_len), cfg.precision.dtype,
                                     start_step, trainer.dims.describe(),
-                                    pipeline_stages=list(trainer.model.module) if pipeline is not None else None,
+                                    pipeline_stages=trainer.model.stages or None,
                                     pp_bubble=pipeline.bubble if pipeline is not None else None)
 
     def write(self, record: dict) -> None:

@@ -12,7 +12,8 @@ from scaletrain.config.schema import TrainConfig
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on 2-D+ weights, none on norms (GPT-2 / Llama convention)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

@@ -17,7 +17,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class PreemptionWatch:
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._previous = {}
+        self._previous: dict = {}
 
     def __enter__(self) -> PreemptionWatch:
         for sig in SIGNALS:

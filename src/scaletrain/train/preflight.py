@@ -48,7 +48,7 @@ def _stream_tokens(cfg: JobConfig, vocab_size: int) -> int:
     if d.source == "synthetic":
         return d.synthetic_tokens
     if d.source == "tokens":
-        p = Path(d.path)
+        p = Path(d.path or "")
         if not p.is_file():
             raise ValueError(f"data.path: {d.path!r} does not exist; point it at a flat file of token ids")
         size = p.stat().st_size

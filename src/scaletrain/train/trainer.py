@@ -134,7 +134,7 @@ class Trainer:
                                      f"train.grad_clip")
             log.warning("step %d: %s is not finite (%s), update skipped (%d/%d)", step, what, values,
                         self.skipped_steps, self.cfg.train.max_skipped_steps)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return StepResult(loss_sum, grad_norm, lr)
 

@@ -88,6 +88,9 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    rope_cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    rope_sin: torch.Tensor
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         args.check()

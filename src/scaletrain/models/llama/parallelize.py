@@ -7,10 +7,13 @@ every rank), the output layer by vocabulary column; with loss parallelism its lo
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaletrain.models.llama.model import Llama
 
 
-def llama_tp_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+def llama_tp_plan(model: Llama, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """{module path: ParallelStyle} for the built-in Llama (and any pipeline stage of it)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,

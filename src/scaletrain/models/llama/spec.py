@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from scaletrain.models.llama.args import LlamaArgs
 from scaletrain.models.spec import DecoderShape, HFAdapter, ModelSpec, check_tp_divides, prune_stage
@@ -44,7 +44,7 @@ class LlamaSpec(ModelSpec):
                 m.init_buffers()
 
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
-        return model.layers
+        return cast("Llama", model).layers
 
     def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
         drop = (() if stage == 0 else ("tok_embeddings",)) + (() if stage == n_stages - 1 else ("norm", "output"))
@@ -61,7 +61,7 @@ class LlamaSpec(ModelSpec):
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         from scaletrain.models.llama.parallelize import llama_tp_plan
 
-        return llama_tp_plan(model, sequence_parallel, loss_parallel)
+        return llama_tp_plan(cast("Llama", model), sequence_parallel, loss_parallel)
 
     def shape(self) -> DecoderShape:
         return self.args
