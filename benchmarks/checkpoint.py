@@ -400,8 +400,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"step; {a.reps} alternating reps of each mode; async commit after {r0['commit_after']} steps; " \
                     f"checkpoints on {_filesystem(Path(tmp))}"
             report += [f"**Training stall per save, async against sync** ({title}).", "", *stall_table(results), "",
-                       f"**Save and restore throughput** (sync saves of the runs above; restore reads what the last "
-                       f"save wrote, from the page cache).", "", *throughput_table(results), ""]
+                       "**Save and restore throughput** (sync saves of the runs above; restore reads what the last "
+                       "save wrote, from the page cache).", "", *throughput_table(results), ""]
         if "recovery" in a.parts:
             runs = []
             for rep in range(a.reps):

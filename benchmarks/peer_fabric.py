@@ -7,7 +7,6 @@ fabric.clip_gradients, a loss all-reduce every `log_every` steps.
 
 import os
 
-import torch
 import torch.nn.functional as F
 from lightning_fabric import Fabric
 

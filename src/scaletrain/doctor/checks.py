@@ -187,7 +187,7 @@ def check_network() -> list[Check]:
     ports, down = [], []
     for dev in sorted(base.iterdir()):
         for port in sorted((dev / "ports").glob("*")):
-            def read(name: str) -> str:
+            def read(name: str, port: Path = port) -> str:
                 try:
                     return (port / name).read_text().strip()
                 except OSError:

@@ -76,7 +76,7 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
             if isinstance(m, nn.Linear):
                 parent = name.rsplit(".", 1)[0] if "." in name else ""
                 groups.setdefault(parent, []).append((name, m))
-        for parent, linears in groups.items():
+        for linears in groups.values():
             h = hidden or max((m.in_features for _, m in linears), key=[m.in_features for _, m in linears].count)
             split = _split_group(linears, h)
             if split is None:

@@ -5,7 +5,6 @@ anything."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
 
 from scaletrain.models.spec import DecoderShape
