@@ -28,10 +28,14 @@ def test_windows_are_shifted_pairs():
 def test_same_global_batch_under_any_data_parallel_degree_and_micro_batch():
     w = _windows()
     one = DistributedLoader(w, 16, 16, 0, 1, seed=5)
+    two = [DistributedLoader(w, 16, 8, r, 2, seed=5) for r in range(2)]
     four = [DistributedLoader(w, 16, 2, r, 4, seed=5) for r in range(4)]
     for _ in range(3):
-        assert _step_samples([one]) == _step_samples(four)
+        want = _step_samples([one])
+        assert _step_samples(two) == want and _step_samples(four) == want
+        assert len(set(want)) == 16  # the ranks' shares are disjoint and together the whole global batch
     assert four[0].accumulation_steps == 2
+    assert one.consumed_samples == two[1].consumed_samples == four[3].consumed_samples == 48
 
 
 def test_epoch_visits_every_sample_once_and_reshuffles():
@@ -55,6 +59,21 @@ def test_resume_on_another_world_size_continues_without_repeats():
     reference = DistributedLoader(w, 8, 8, 0, 1, seed=1)
     assert seen + after == sum((_step_samples([reference]) for _ in range(10)), [])
     assert not set(seen) & set(after)
+
+
+def test_resume_at_another_world_size_across_an_epoch_boundary():
+    w = _windows(n_tokens=321, seq=10)  # 32 samples; step 3 (samples 24-35) ends epoch 0 and starts epoch 1
+    reference = DistributedLoader(w, 12, 12, 0, 1, seed=3)
+    want = [_step_samples([reference]) for _ in range(6)]  # 72 samples: two full epochs and a bit
+    flat = sum(want, [])
+    assert sorted(flat[:32]) == list(range(32)) == sorted(flat[32:64]) and flat[:32] != flat[32:64]
+    four = [DistributedLoader(w, 12, 3, r, 4, seed=3) for r in range(4)]
+    got = [_step_samples(four) for _ in range(2)]
+    two = [DistributedLoader(w, 12, 2, r, 2, seed=0) for r in range(2)]
+    for ld in two:
+        ld.load_state_dict(four[0].state_dict())
+    got += [_step_samples(two) for _ in range(4)]  # resumed just before the boundary, on half the ranks
+    assert got == want
 
 
 def test_stdlib_source_is_deterministic_bytes():

@@ -11,6 +11,7 @@ import pytest
 from conftest import run_cli
 
 from scaletrain.monitor import read_jsonl
+from scaletrain.monitor.faults import ENV as FAULTS
 
 RUN = ["train.steps=14", "monitor.log_interval=2", "train.global_batch_size=16", "data.seq_len=64",
        "train.eval_batches=1", "data.max_bytes=300000", "train.warmup_steps=2", "monitor.progress=false",
@@ -90,15 +91,34 @@ def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path
 
 
 def test_slow_data_source_is_diagnosed_as_data_loader_bound(tmp_path):
-    run_cli(["train", *RUN, "run.name=slowdata", "monitor.fault_data_delay_ms=60", "monitor.sample_interval_s=0"],
-            tmp_path)
+    # the fault reaches the ranks only through the launcher passing the environment on
+    run_cli(["train", *RUN, "run.name=slowdata", "monitor.sample_interval_s=0"], tmp_path,
+            env={FAULTS: "data_delay_ms=60"})
     got = flags(tmp_path / "runs" / "slowdata")
     assert [f["rule"] for f in got] == ["data_loader_bound"], got
 
 
 def test_slow_rank_is_diagnosed_as_straggler_naming_it(tmp_path):
-    proc = run_cli(["train", *RUN, "run.name=slowrank", "monitor.fault_slow_rank=1", "monitor.fault_slow_rank_ms=100",
-                    "monitor.sample_interval_s=0"], tmp_path)
+    proc = run_cli(["train", *RUN, "run.name=slowrank", "monitor.sample_interval_s=0"], tmp_path,
+                   env={FAULTS: "slow_rank=1,slow_rank_ms=100"})
     got = flags(tmp_path / "runs" / "slowrank")
     assert [f["rule"] for f in got] == ["straggler"] and got[0]["ranks"] == [1], got
     assert "Straggling rank: rank 1" in proc.stderr
+
+
+def test_fault_injection_is_an_environment_variable_refused_in_one_line_when_malformed():
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.monitor.faults import injected_delays
+
+    assert injected_delays(0, {}) == {}
+    assert injected_delays(1, {FAULTS: "data_delay_ms=50, slow_rank=1,slow_rank_ms=80"}) == \
+        {"data": 0.05, "forward": 0.08, "fb": 0.08}
+    assert injected_delays(0, {FAULTS: "slow_rank=1,slow_rank_ms=80"}) == {}
+    for bad, named in [("data_delay=5", "'data_delay=5'"), ("data_delay_ms=-1", "data_delay_ms"),
+                       ("slow_rank=one,slow_rank_ms=5", "slow_rank"), ("slow_rank_ms=80", "go together"),
+                       ("data_delay_ms=nan", "data_delay_ms"), ("data_delay_ms", "'data_delay_ms'")]:
+        with pytest.raises(ValueError) as e:
+            injected_delays(0, {FAULTS: bad})
+        assert str(e.value).startswith(f"{FAULTS}: ") and named in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="monitor.fault_data_delay_ms"):  # no longer a config field
+        load_config(None, ["monitor.fault_data_delay_ms=60"])

@@ -1,5 +1,5 @@
 """Tensor, sequence, pipeline and hybrid parallelism match one process (fp32, CPU ranks over gloo, fixed seed):
-per-step loss within 1e-4 and, after the last step, every gathered parameter within 1e-4.
+per-step loss within 1e-5 and, after the last step, every gathered parameter within 1e-5.
 
 Launches are shared: one process runs the reference and the activation-checkpointing variants, one 2-rank launch
 runs PP2 under all six schedules, one 8-rank launch PP2 x FSDP2 x TP2 (+SP) (these three through
@@ -18,7 +18,9 @@ import torch
 
 from conftest import FAST, losses, run_cli
 
-TOL = 1e-4
+# Worst measured (torch 2.13, 2 CPU cores): per-step loss 9.5e-7 (tp2_sp, fsdp2_tp2, ddp2_pp2, pp2_fsdp2_tp2_sp),
+# final parameter 1.4e-6 (pp2_fsdp2_tp2_sp), compiled blocks' loss 0: a 7x margin, the bound README states.
+TOL = 1e-5
 RUNNER = Path(__file__).resolve().parent / "parallel_runner.py"
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 CLI_LAYOUTS = {

@@ -221,13 +221,6 @@ class MonitorConfig(Section):
         10.0, gt=0, description="diagnosis: pipeline bubble this many points above the schedule's prediction")
     memory_headroom_pct: float = Field(
         50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch")
-    # fault injection, for testing the diagnosis only
-    fault_data_delay_ms: float = Field(
-        0.0, ge=0.0, description="FAULT INJECTION (testing only): sleep this long in every data fetch on every rank")
-    fault_slow_rank: int = Field(
-        -1, ge=-1, le=MAX_RANKS,
-        description="FAULT INJECTION (testing only): this rank sleeps fault_slow_rank_ms per forward")
-    fault_slow_rank_ms: float = Field(0.0, ge=0.0, description="FAULT INJECTION (testing only): see fault_slow_rank")
 
     @model_validator(mode="after")
     def _profile_window(self) -> MonitorConfig:

@@ -66,8 +66,9 @@ class TrainMonitor:
         """pipeline_stages: this rank's stage modules when a pipeline schedule runs them (their forward passes
         are timed by hooks); pp_bubble: the schedule's predicted idle share, reported beside the measured one."""
         self.cfg, self.out, self.rank, self.device = cfg, out, rank, device
-        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=injected_delays(cfg, rank),
-                                pipeline_stages=pipeline_stages) if cfg.breakdown else NULL_TIMER)
+        inject = injected_delays(rank)  # $SCALETRAIN_FAULTS, tests only; a malformed value fails every rank here
+        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=pipeline_stages)
+                      if cfg.breakdown else NULL_TIMER)
         self.peak, peak_source = peak_flops(device, dtype, world_size)
         self.flops_per_token = flops_per_token
         self.pp_bubble_predicted = pp_bubble

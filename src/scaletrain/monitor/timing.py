@@ -88,7 +88,7 @@ class _Phase:
         tm = self.timer
         delay = tm.inject.get(self.name)
         if delay:
-            # fault injection (monitor.fault_* options): the phase's own work takes longer, as on a slow device
+            # fault injection ($SCALETRAIN_FAULTS, tests only): the phase's own work takes longer, as on a slow device
             time.sleep(delay)
         t1 = time.perf_counter()
         if tm.cuda and self.name != "data":
