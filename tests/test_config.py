@@ -44,3 +44,24 @@ def test_errors_are_one_line_naming_the_field(override, field):
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(field), message
+
+
+def test_every_registered_schedule_and_precision_is_a_config_choice_torch_knows():
+    import typing
+
+    import torch
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    from scaletrain.config.precisions import PRECISIONS
+    from scaletrain.config.schedules import SCHEDULE_NAMES, SCHEDULES
+
+    assert typing.get_args(JobConfig.model_fields["parallel"].annotation.model_fields["pp_schedule"].annotation) \
+        == SCHEDULE_NAMES
+    for s in SCHEDULES:
+        cfg = load_config(None, ["parallel.pp=2", f"parallel.pp_schedule={s.name}"])
+        assert cfg.parallel.stages_per_rank == s.stages_per_rank
+        # torch builds single-stage schedules from one stage, the others from a rank's list of stages
+        assert issubclass(get_schedule_class(s.name), PipelineScheduleSingle) == (s.placement == "single")
+    for p in PRECISIONS:
+        assert load_config(None, [f"precision.dtype={p.name}"]).precision.dtype == p.name
+        assert getattr(torch, p.torch_dtype).itemsize == p.element_bytes

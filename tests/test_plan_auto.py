@@ -49,3 +49,25 @@ def test_plan_auto_trains(workdir):
                     "--nproc-per-node", "2", "run.device=cpu"], cwd=workdir)
     assert "plan auto:" in proc.stderr
     assert len(losses(workdir / "runs" / "default")) == 3
+
+
+def test_the_chosen_layout_is_applied_to_the_typed_config_not_reparsed(monkeypatch):
+    from scaletrain.config import load_config
+    from scaletrain.plan import Layout, auto
+
+    user = ["run.device=cpu", "train.global_batch_size=16", "precision.dtype=bf16", "parallel.pp=2"]
+    loads = []
+    monkeypatch.setattr(auto, "load_config", lambda *a: loads.append(a) or load_config(*a))
+
+    def no_strings(self):
+        raise AssertionError("as_overrides is for people to read; --plan auto applies the Layout itself")
+
+    with monkeypatch.context() as m:
+        m.setattr(Layout, "as_overrides", no_strings)
+        chosen = auto.auto_plan(None, user, 4, 1, "cpu")
+    assert len(loads) == 1  # the user's config, read once; no candidate goes back through key=value strings
+    lay = chosen.row.layout
+    assert isinstance(lay, Layout) and (lay.pp, lay.precision) == (2, "bf16")
+    assert chosen.config == lay.apply(load_config(None, user))
+    # the same job as the plan's printed overrides followed by the user's, which win
+    assert chosen.config == load_config(None, [*lay.as_overrides().split(), *user])

@@ -19,7 +19,7 @@ from scaletrain.plan.memory import (
     output_layer_saved_bytes_per_token,
     zero_model_state_bytes,
 )
-from scaletrain.plan.pipeline import activations_in_flight, bubble_ratio, bubble_share, schedule_index
+from scaletrain.plan.pipeline import activations_in_flight, bubble_ratio, bubble_share, schedule_code
 
 
 def test_zero_paper_example_7_5b_on_64_ranks():
@@ -184,9 +184,9 @@ def test_llama_8b_block_is_44_h_not_gpt_34_h():
 
 
 def test_bubble_formulas():
-    one_f1b, gpipe = schedule_index("1F1B"), schedule_index("GPipe")
-    inter, zbv = schedule_index("Interleaved1F1B"), schedule_index("ZBVZeroBubble")
-    izb = schedule_index("InterleavedZeroBubble")
+    one_f1b, gpipe = schedule_code("1F1B"), schedule_code("GPipe")
+    inter, zbv = schedule_code("Interleaved1F1B"), schedule_code("ZBVZeroBubble")
+    izb = schedule_code("InterleavedZeroBubble")
     for p, m in [(4, 8), (8, 32), (16, 16)]:
         assert bubble_ratio(one_f1b, p, m, 1) == pytest.approx((p - 1) / m)
         assert bubble_share(one_f1b, p, m, 1) == pytest.approx((p - 1) / (m + p - 1))

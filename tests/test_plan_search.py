@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from scaletrain.config import parse_override
+from scaletrain.config import ConfigError, JobConfig, load_config, parse_override
 from scaletrain.hardware import make_cluster
 from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, SearchOptions, Workload, evaluate_layout, search_layouts, smallest_setup
@@ -37,10 +37,28 @@ def test_llama_8b_on_64_h100_ranked_fitting_and_explained():
 
 def test_overrides_are_job_config_keys():
     lay = Layout(2, 16, 2, 1, 1, 2, 8, "selective", "bf16", "none")
-    parsed = dict((".".join(k), v) for k, v in map(parse_override, lay.to_overrides().split()))
+    parsed = dict((".".join(k), v) for k, v in map(parse_override, lay.as_overrides().split()))
     assert parsed["parallel.dp_shard"] == 16 and parsed["parallel.tp"] == 2
     assert parsed["train.micro_batch_size"] == 2 and parsed["precision.dtype"] == "bf16"
     assert parsed["train.global_batch_size"] == 2 * 8 * 32
+
+
+@pytest.mark.parametrize("lay", [
+    Layout(2, 16, 2, 1, 1, 2, 8, "selective", "bf16", "none"),
+    Layout(1, 2, 1, 4, 1, 1, 16, "full", "fp32", "ZBVZeroBubble", 2),
+    Layout(4, 1, 1, 1, 1, 4, 1, "none", "fp16", "none"),
+])
+def test_a_layout_applies_to_a_config_as_its_printed_overrides_would(lay):
+    base = load_config(None, ["train.steps=7"])
+    applied = lay.apply(base)
+    assert applied == load_config(None, ["train.steps=7", *lay.as_overrides().split()])
+    assert (applied.parallel.tp, applied.parallel.pp, applied.precision.dtype) == (lay.tp, lay.pp, lay.precision)
+    assert applied.train.steps == 7 and base.parallel.tp == 1  # the rest kept, the original untouched
+
+
+def test_a_layout_the_config_refuses_is_one_line_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^parallel\.cp: unknown key"):
+        Layout(1, 4, 1, 1, 2, 1, 4, "none", "bf16", "none").apply(JobConfig())
 
 
 def test_pipeline_bubble_shows_in_a_given_layout():

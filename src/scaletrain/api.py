@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from scaletrain.config.precisions import PrecisionName
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
 from scaletrain.parallel.apply import apply_parallelism
 from scaletrain.parallel.dims import ParallelDims, build_mesh, dp_coordinates
@@ -51,7 +52,7 @@ def _parallel_config(data_parallel: DataParallel, world: int, dp_replicate: int 
 
 
 def setup(model: nn.Module, optimizer: torch.optim.Optimizer, *, data_parallel: DataParallel = "auto",
-          precision: Literal["fp32", "bf16", "fp16"] = "fp32", dp_replicate: int | None = None,
+          precision: PrecisionName = "fp32", dp_replicate: int | None = None,
           reshard_after_forward: bool = True, grad_clip: float = 0.0,
           device: Literal["auto", "cpu", "cuda"] = "auto", timeout_s: float = 600.0) -> Job:
     """Join the process group, move and wrap `model` for the chosen data parallelism, and return a Job.

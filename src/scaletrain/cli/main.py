@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from scaletrain.config import ConfigError, load_config, to_toml
+from scaletrain.config import ConfigError, JobConfig, load_config, to_toml
 
 EXIT_BAD_INPUT = 2
 
@@ -48,17 +48,15 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
     except ConfigError as e:
         fail(str(e))
     if plan_mode is not None or calibration is not None:
-        overrides = _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node)
-        args = tuple([path] if path else []) + tuple(overrides)
-        cfg = load_config(path, overrides)
+        cfg = _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node)
     if print_config:
         click.echo(to_toml(cfg), nl=False)
         return
 
     if under_external_launcher():
-        from scaletrain.train.worker import main as worker_main
+        from scaletrain.train.worker import run
 
-        worker_main(list(args))
+        run(cfg)
         return
 
     nproc = nproc_per_node or cfg.launch.nproc_per_node or default_nproc(cfg.run.device)
@@ -105,8 +103,9 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
         sys.exit(EXIT_REQUEUE)
 
 
-def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> list[str]:
-    """`--plan auto`: the planner's overrides for the local ranks, then the user's; prints the choice."""
+def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> JobConfig:
+    """`--plan auto`: the job's config with the planner's layout for the local ranks applied (the user's own
+    settings kept); prints the choice."""
     import os
 
     from scaletrain.hardware import CalibrationError, detect_host
@@ -131,7 +130,7 @@ def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> li
     except (ValueError, CalibrationError, ConfigError) as e:
         fail(str(e))
     click.echo(f"scaletrain: {chosen.summary()}", err=True)
-    return [*chosen.overrides, *overrides]
+    return chosen.config
 
 
 @main.command()

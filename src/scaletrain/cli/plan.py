@@ -172,7 +172,7 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
     top = result.rows[0]
     con.print("[bold]memory of #1 per GPU[/]: " + " · ".join(
         f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0))
-    con.print("[bold]run #1 with[/]: " + top.layout.to_overrides())
+    con.print("[bold]run #1 with[/]: " + top.layout.as_overrides())
     con.print("[bold]why #1[/]:")
     for line in top_lines:
         con.print(f"  - {line}")
@@ -255,8 +255,9 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
         smallest_setup,
     )
     from scaletrain.plan.advice import fit_reason
-    from scaletrain.plan.layout import AC_MODES, PRECISIONS
-    from scaletrain.plan.pipeline import schedule_index
+    from scaletrain.config.precisions import PRECISION_NAMES
+    from scaletrain.plan.layout import AC_MODES
+    from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code
 
     params = _number(params_text, "--params")
     tokens = _number(tokens_text, "--tokens")
@@ -271,8 +272,8 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
         _fail(f"--usd-per-gpu-hour: must be a finite number, not negative (got {usd_per_gpu_hour})")
     precs, acs = _list(precisions), _list(ac_modes)
     for p in precs:
-        if p not in PRECISIONS:
-            _fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISIONS)}")
+        if p not in PRECISION_NAMES:
+            _fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISION_NAMES)}")
     for a in acs:
         if a not in AC_MODES:
             _fail(f"--ac: unknown mode {a!r}; choose from {', '.join(AC_MODES)}")
@@ -281,7 +282,7 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
     sched = _list(schedules)
     for name in sched or ():
         try:
-            if schedule_index(name) == 0:
+            if schedule_code(name) == NO_PIPELINE:
                 raise ValueError(f"--schedules: {name!r} is not a pipeline schedule")
         except ValueError as e:
             _fail(str(e))

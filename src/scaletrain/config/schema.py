@@ -12,6 +12,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from scaletrain.config.precisions import REDUCE_DTYPES, PrecisionName
+from scaletrain.config.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, pipeline_schedule
+
 # Upper bounds on counts. Python ints are unbounded but torch, numpy and TensorBoard hold steps, sizes and positions
 # as int64; each bound is far beyond any real run and keeps the products the trainer forms inside int64.
 MAX_STEPS = 10**9  # optimizer steps (and step intervals): 3 years at 10 steps/s; x MAX_SEQUENCES < 2**63 samples
@@ -68,12 +71,6 @@ class DataConfig(Section):
         return self
 
 
-PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
 class ParallelConfig(Section):
     """Degrees of the device mesh, and how each parallelism is applied. The degrees' product is the world size;
     -1 on dp_shard fills the rest.
@@ -99,8 +96,8 @@ class ParallelConfig(Section):
     tp_plan: Literal["model", "auto"] = Field(
         "model", description="model: the model's own TP plan; auto: q/k/v/o and MLP linears found by structure")
     # pipeline parallel
-    pp_schedule: Literal[PP_SCHEDULES] = Field(  # type: ignore[valid-type]
-        "1F1B", description="pipeline schedule (torch.distributed.pipelining name)")
+    pp_schedule: Literal[SCHEDULE_NAMES] = Field(  # type: ignore[valid-type]
+        DEFAULT_SCHEDULE, description="pipeline schedule (torch.distributed.pipelining name)")
     pp_microbatches: int | None = Field(
         None, gt=0, le=MAX_SEQUENCES, description="pipeline micro-batches per step and data-parallel rank; "
         "None: from train.micro_batch_size, else the number of stages")
@@ -122,7 +119,7 @@ class ParallelConfig(Section):
     def stages_per_rank(self) -> int:
         if self.pp_stages_per_rank is not None:
             return self.pp_stages_per_rank
-        return 1 if self.pp_schedule in SINGLE_STAGE_SCHEDULES else 2
+        return pipeline_schedule(self.pp_schedule).stages_per_rank
 
     @model_validator(mode="after")
     def _consistent(self) -> ParallelConfig:
@@ -130,16 +127,16 @@ class ParallelConfig(Section):
             raise ValueError("parallel.dp_shard: must be -1 (auto) or >= 1")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel: needs parallel.tp > 1")
-        v, sched = self.stages_per_rank, self.pp_schedule
-        if sched in SINGLE_STAGE_SCHEDULES and v != 1:
-            raise ValueError(f"parallel.pp_stages_per_rank: {sched} runs 1 stage per rank (got {v}); "
+        v, sched = self.stages_per_rank, pipeline_schedule(self.pp_schedule)
+        if sched.placement == "single" and v != 1:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} runs 1 stage per rank (got {v}); "
                              f"use Interleaved1F1B for more")
-        if sched in V_SCHEDULES and v != 2:
-            raise ValueError(f"parallel.pp_stages_per_rank: {sched} runs exactly 2 stages per rank (got {v})")
-        if sched not in SINGLE_STAGE_SCHEDULES and v < 2:
-            raise ValueError(f"parallel.pp_stages_per_rank: {sched} needs >= 2 stages per rank (got {v})")
-        if self.compile and self.pp > 1 and sched in ZERO_BUBBLE_SCHEDULES:
-            raise ValueError(f"parallel.compile: {sched} splits backward into input and weight parts, which "
+        if sched.v_shaped and v != 2:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} runs exactly 2 stages per rank (got {v})")
+        if sched.placement != "single" and v < 2:
+            raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} needs >= 2 stages per rank (got {v})")
+        if self.compile and self.pp > 1 and sched.split_backward:
+            raise ValueError(f"parallel.compile: {sched.name} splits backward into input and weight parts, which "
                              f"torch.compile does not support; use 1F1B or Interleaved1F1B")
         return self
 
@@ -168,9 +165,10 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(
+    dtype: PrecisionName = Field(
         "fp32", description="compute dtype; weights and optimizer states stay fp32")
-    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="gradient reduction dtype (FSDP)")
+    reduce_dtype: Literal[REDUCE_DTYPES] = Field(  # type: ignore[valid-type]
+        "fp32", description="gradient reduction dtype (FSDP)")
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16: initial loss scale")
     loss_scale_growth_interval: int = Field(
         2000, gt=0, le=MAX_STEPS, description="fp16: good steps before scale doubles")

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from scaletrain.config.precisions import precision
 from scaletrain.hardware.catalog import GPUS
 from scaletrain.hardware.detect import catalog_name_for
 
@@ -29,7 +30,7 @@ def peak_flops(device: torch.device, dtype: str, world_size: int) -> tuple[float
     if name is None or name not in GPUS:
         return None, f"no catalog entry for {torch.cuda.get_device_name(device)}"
     spec = GPUS[name]
-    figure = "bf16" if dtype in ("bf16", "fp16") else "fp32"
+    figure = precision(dtype).datasheet_rate
     flops = spec.bf16_flops if figure == "bf16" else spec.fp32_flops
     what = f"{count} x {name} {figure} {flops / 1e12:g} TFLOP/s" + ("" if per_device else " (host-wide placeholder)")
     return flops * count, f"{what}; source: {spec.sources.get(figure, 'catalog')}"

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import block_container, block_items
 from scaletrain.parallel.dims import ParallelDims
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
 
 def _units(model: nn.Module, spec: ModelSpec | None) -> list[nn.Module]:
@@ -28,7 +29,7 @@ def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, dtype: str, reduce_dt
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    if dtype == "fp32":
+    if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[reduce_dtype])
@@ -49,4 +50,4 @@ def apply_ddp(model: nn.Module, mesh, device: torch.device, bucket_cap_mb: float
 
 def uses_autocast(dims: ParallelDims, dtype: str) -> bool:
     """FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-rank runs use autocast."""
-    return dtype != "fp32" and dims.mode not in ("fsdp", "hsdp")
+    return dtype != MASTER_DTYPE and dims.mode not in ("fsdp", "hsdp")

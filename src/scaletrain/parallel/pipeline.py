@@ -14,14 +14,14 @@ import contextlib
 import torch
 from torch import nn
 
-from scaletrain.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.models.loss import token_loss_sum
 from scaletrain.models.stages import stages_of_rank as _stages_of_rank
 
 
 def stages_of_rank(rank: int, pp: int, n_stages: int, schedule: str) -> list[int]:
     """Stage indices a pipeline rank runs: rank, rank+pp, ... (looped), or rank and 2pp-1-rank (V shape)."""
-    return _stages_of_rank(rank, pp, n_stages, schedule in V_SCHEDULES)
+    return _stages_of_rank(rank, pp, n_stages, pipeline_schedule(schedule).v_shaped)
 
 
 def bubble_fraction(pipeline_order: dict, n_stages: int, forward: float = 1.0, backward_input: float = 1.0,
@@ -91,7 +91,7 @@ def _forward_only_actions(schedule, name: str):
     stages of one rank; replay only its forward and communication-of-forward actions instead. Dropping actions
     only drops waits, so the remaining order cannot deadlock."""
     table = getattr(schedule, "pipeline_order_with_comms", None)
-    if name not in V_SCHEDULES or not table:
+    if not pipeline_schedule(name).v_shaped or not table:
         yield
         return
     keep = {"F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD"}
@@ -128,7 +128,7 @@ class Pipeline:
         self._token_losses: list[torch.Tensor] = []
         order = getattr(schedule, "pipeline_order", None)
         self.bubble = bubble_fraction(order, n_stages, 1.0, 1.0, 1.0) if order else None
-        if self.bubble is None and schedule_name in SINGLE_STAGE_SCHEDULES:
+        if self.bubble is None and pipeline_schedule(schedule_name).placement == "single":
             # torch 2.13's 1F1B action table (kept for visualisation) skips a micro-batch on the last rank; with
             # equal stages its bubble is GPipe's (p-1)/(m+p-1) (Narayanan et al. 2021, sec. 2.2)
             self.bubble = (n_stages - 1) / (n_microbatches + n_stages - 1)
@@ -204,7 +204,7 @@ def build_pipeline(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
 
     stages = [Stage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
     cls = get_schedule_class(schedule_name)
-    if schedule_name in SINGLE_STAGE_SCHEDULES:
+    if pipeline_schedule(schedule_name).placement == "single":  # PipelineScheduleSingle takes one stage
         schedule = cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,5 +1,5 @@
 """`scaletrain train --plan auto`: the planner's fastest layout that the trainer can run, for the job's model,
-sequence length and global batch on the ranks this command starts, as config overrides.
+sequence length and global batch on the ranks this command starts, applied to the job's config (Layout.apply).
 
 The search is restricted to what the trainer runs (no context parallelism; the user's precision, activation
 checkpointing or pipeline schedule when they set one), and every candidate is checked with the trainer's own
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from scaletrain.config import JobConfig, load_config
 from scaletrain.config.load import parse_override
-from scaletrain.config.schema import PP_SCHEDULES
+from scaletrain.config.schedules import SCHEDULE_NAMES
 from scaletrain.hardware.calibration import apply_calibration, load_calibration
 from scaletrain.hardware.cluster import Cluster, make_cluster
 from scaletrain.plan.layout import AC_MODES, Layout, Workload
@@ -26,7 +26,7 @@ PLAN_CHOICES = ("auto",)
 @dataclass(frozen=True)
 class AutoPlan:
     row: PlanRow
-    overrides: list[str]  # the plan's config overrides (the user's own come after them and win)
+    config: JobConfig  # the job's config with the plan's layout applied (the user's own settings kept)
     cluster: Cluster
     runnable: int  # candidates checked before this one was accepted, plus one
 
@@ -36,7 +36,7 @@ class AutoPlan:
         cal = f", {c.calibration_note}" if c.calibration_note else ""
         return (f"plan auto: {self.row.layout.describe()} - predicted {self.row.step_s * 1e3:,.1f} ms/step, "
                 f"{self.row.tokens_per_s:,.0f} tokens/s, the fastest layout the trainer runs on {c.gpus} x "
-                f"{c.gpu.name}{cal}; applying {' '.join(self.overrides)}")
+                f"{c.gpu.name}{cal}; applying {self.row.layout.as_overrides()}")
 
 
 def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> set[str]:
@@ -60,18 +60,10 @@ def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> s
     return keys
 
 
-def layout_overrides(layout: Layout) -> list[str]:
-    """The trainer's overrides for a layout: Layout.to_overrides, every key checked against JobConfig, plus
-    sequence parallelism for tp > 1 (the planner's TP model assumes it). ValueError: the trainer lacks a key."""
-    out = layout.to_overrides().split()
-    if layout.tp > 1:
-        out.append("parallel.sequence_parallel=true")
-    for text in out:
-        section, key = parse_override(text)[0]
-        model = JobConfig.model_fields.get(section)
-        if model is None or key not in model.annotation.model_fields:
-            raise ValueError(f"{section}.{key}: the trainer has no such setting")
-    return out
+def overruled(layout: Layout, cfg: JobConfig, given: set[str]) -> list[str]:
+    """Dotted keys the user set (`given`) to a value other than the layout's: a plan they would change."""
+    return [f"{section}.{key}" for section, values in layout.settings().items() for key, value in values.items()
+            if f"{section}.{key}" in given and getattr(getattr(cfg, section), key, None) != value]
 
 
 def local_cluster(gpu: str, nproc: int, nnodes: int, calibration: str | None = None) -> Cluster:
@@ -105,26 +97,21 @@ def auto_plan(path: str | None, overrides: list[str], nproc: int, nnodes: int, g
     opts = SearchOptions(
         precisions=precisions,
         ac_modes=(p.activation_checkpoint,) if "parallel.activation_checkpoint" in given else AC_MODES,
-        schedules=(p.pp_schedule,) if "parallel.pp_schedule" in given else PP_SCHEDULES,
+        schedules=(p.pp_schedule,) if "parallel.pp_schedule" in given else SCHEDULE_NAMES,
         cp=(1,),  # the trainer has no context parallelism
         max_micro_batch=max(16, cfg.train.micro_batch_size or 1),
         top=10_000)
     result = search_layouts(work, cluster, opts)
     for n, row in enumerate(result.rows, 1):
-        try:
-            plan = layout_overrides(row.layout)
-        except ValueError:
-            continue
         # a plan the user's own settings would change is not the plan that runs
-        mine = {".".join(parse_override(o)[0]): parse_override(o)[1] for o in plan}
-        if any(k in given and getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) != v
-               for k, v in mine.items()):
+        if overruled(row.layout, cfg, given):
             continue
         try:
-            resolve_job(load_config(path, [*plan, *overrides]), world)
-        except ValueError:
+            planned = row.layout.apply(cfg)
+            resolve_job(planned, world)
+        except ValueError:  # ConfigError too: e.g. a setting the trainer lacks
             continue
-        return AutoPlan(row, plan, cluster, n)
+        return AutoPlan(row, planned, cluster, n)
     raise ValueError(f"--plan auto: no layout of {work.model_name} (seq {work.seq_len}, global batch "
                      f"{work.global_batch}) fits and runs on {world} x {cluster.gpu.name} with the settings given; "
                      f"try `scaletrain plan` for why")

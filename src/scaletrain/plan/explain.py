@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scaletrain.plan.layout import PRECISIONS
+from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.plan.search import PlanResult, PlanRow
 from scaletrain.plan.steptime import TIME_LINES
 
@@ -50,7 +50,7 @@ def explain_top(result: PlanResult) -> list[str]:
         g = result.grid
         same = ((g.dp_replicate == lay.dp_replicate) & (g.dp_shard == lay.dp_shard) & (g.tp == lay.tp)
                 & (g.pp == lay.pp) & (g.cp == lay.cp) & (g.micro_batch == lay.micro_batch)
-                & (g.precision == PRECISIONS.index(lay.precision)) & (g.ac == 0))
+                & (g.precision == PRECISION_NAMES.index(lay.precision)) & (g.ac == 0))
         idx = np.flatnonzero(same)
         if len(idx):
             need = float(result.mem_total[idx].min())
@@ -74,7 +74,7 @@ def _families(result: PlanResult) -> list[tuple[str, np.ndarray]]:
         ("pipeline parallel", g.pp > 1),
         ("no activation checkpointing", g.ac == 0),
         ("full activation checkpointing", g.ac == 2),
-        ("fp32 compute", g.precision == 2),
+        ("fp32 compute", g.precision == PRECISION_NAMES.index("fp32")),
     ]
 
 

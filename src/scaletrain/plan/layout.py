@@ -1,5 +1,6 @@
-"""What the planner plans for (a Workload) and what it proposes (a Layout), plus the columns of many layouts at
-once (LayoutGrid) that the memory and time models evaluate in one vectorised pass."""
+"""What the planner plans for (a Workload) and what it proposes (a Layout, which applies itself to a JobConfig),
+plus the columns of many layouts at once (LayoutGrid) that the memory and time models evaluate in one vectorised
+pass."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from scaletrain.config import JobConfig, validate_config
+from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.models.spec import DecoderShape
 
 AC_MODES = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp16", "fp32")
-ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -86,36 +87,56 @@ class Layout:
         parts.append(self.precision)
         return " · ".join(parts)
 
-    def to_overrides(self) -> str:
-        """The job-config overrides that run this layout (`scaletrain train CONFIG.toml <these>`).
+    def settings(self) -> dict[str, dict[str, object]]:
+        """The job-config values that run this layout, by section and key (typed, as JobConfig holds them).
 
-        parallel.cp has no trainer behind it yet (the config refuses it); `--plan auto` never searches cp > 1.
-        Stages per rank are the schedule's default (parallel.pp_stages_per_rank), as the planner assumes.
+        Sequence parallelism comes with tp > 1 (the planner's TP model assumes it). parallel.cp has no trainer
+        behind it yet: the config refuses it, and `--plan auto` never searches cp > 1. Stages per rank are the
+        schedule's default (parallel.pp_stages_per_rank), as the planner assumes.
         """
-        out = [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
-               f"parallel.tp={self.tp}", f"parallel.pp={self.pp}"]
+        parallel: dict[str, object] = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
+                                       "tp": self.tp, "pp": self.pp}
         if self.cp > 1:
-            out.append(f"parallel.cp={self.cp}")
+            parallel["cp"] = self.cp
         if self.pp > 1:
-            out.append(f"parallel.pp_schedule={self.schedule}")
+            parallel["pp_schedule"] = self.schedule
         if self.ac != "none":
-            out.append(f"parallel.activation_checkpoint={self.ac}")
-        out.append(f"train.global_batch_size={self.micro_batch * self.accumulation * self.dp}")
-        out.append(f"train.micro_batch_size={self.micro_batch}")
-        out.append(f"precision.dtype={self.precision}")
-        return " ".join(out)
+            parallel["activation_checkpoint"] = self.ac
+        if self.tp > 1:
+            parallel["sequence_parallel"] = True
+        return {"parallel": parallel,
+                "train": {"global_batch_size": self.micro_batch * self.accumulation * self.dp,
+                          "micro_batch_size": self.micro_batch},
+                "precision": {"dtype": self.precision}}
+
+    def apply(self, cfg: JobConfig) -> JobConfig:
+        """`cfg` running this layout: its settings() replace cfg's, everything else stays. ConfigError (one line
+        naming the field) when the result is not a valid config, e.g. cp > 1."""
+        tree = cfg.model_dump()
+        for section, values in self.settings().items():
+            tree[section].update(values)
+        return validate_config(tree)
+
+    def as_overrides(self) -> str:
+        """The same settings as `key=value` overrides, for people to read or paste
+        (`scaletrain train CONFIG.toml <these>`); scaletrain itself applies a Layout with apply()."""
+        def toml(value: object) -> str:
+            return str(value).lower() if isinstance(value, bool) else str(value)
+
+        return " ".join(f"{section}.{key}={toml(value)}"
+                        for section, values in self.settings().items() for key, value in values.items())
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["world_size"] = self.world_size
-        d["overrides"] = self.to_overrides()
+        d["overrides"] = self.as_overrides()
         return d
 
 
 @dataclass
 class LayoutGrid:
-    """Many layouts as equal-length integer columns; ac, precision and schedule are indices into AC_MODES,
-    PRECISIONS and pipeline.SCHEDULES."""
+    """Many layouts as equal-length integer columns; ac and precision are indices into AC_MODES and
+    config.precisions.PRECISION_NAMES, schedule a code of plan.pipeline (0: no pipeline, then the registry's)."""
 
     dp_replicate: np.ndarray
     dp_shard: np.ndarray
@@ -140,17 +161,17 @@ class LayoutGrid:
         return LayoutGrid(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
     def row(self, i: int) -> Layout:
-        from scaletrain.plan.pipeline import SCHEDULES
+        from scaletrain.plan.pipeline import CODE_NAMES
 
         g = {f.name: int(getattr(self, f.name)[i]) for f in fields(self)}
         return Layout(g["dp_replicate"], g["dp_shard"], g["tp"], g["pp"], g["cp"], g["micro_batch"],
-                      g["accumulation"], AC_MODES[g["ac"]], PRECISIONS[g["precision"]],
-                      SCHEDULES[g["schedule"]].name, g["virtual_stages"])
+                      g["accumulation"], AC_MODES[g["ac"]], PRECISION_NAMES[g["precision"]],
+                      CODE_NAMES[g["schedule"]], g["virtual_stages"])
 
     @classmethod
     def of(cls, layouts: list[Layout]) -> LayoutGrid:
         """A grid of the given layouts (to evaluate a few by hand)."""
-        from scaletrain.plan.pipeline import schedule_index
+        from scaletrain.plan.pipeline import schedule_code
 
         cols = {f.name: [] for f in fields(cls)}
         for lay in layouts:
@@ -159,8 +180,8 @@ class LayoutGrid:
                 if name == "ac":
                     value = AC_MODES.index(value)
                 elif name == "precision":
-                    value = PRECISIONS.index(value)
+                    value = PRECISION_NAMES.index(value)
                 elif name == "schedule":
-                    value = schedule_index(value)
+                    value = schedule_code(value)
                 cols[name].append(value)
         return cls(**{k: np.asarray(v, dtype=np.int64) for k, v in cols.items()})

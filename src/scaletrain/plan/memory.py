@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from scaletrain.config.precisions import PRECISIONS
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.models.spec import DecoderShape
-from scaletrain.plan.layout import ELEMENT_BYTES, PRECISIONS, LayoutGrid, Workload
-from scaletrain.plan.pipeline import activations_in_flight
+from scaletrain.plan.layout import LayoutGrid, Workload
+from scaletrain.plan.pipeline import activations_in_flight, schedule_column, v_shaped
 from scaletrain.plan.shapes import layout_columns, rank_params
 
 # ---- fixed overheads (formulas.md: "budget 1-2 GB per GPU for CUDA context and NCCL buffers", as own lines) ----
@@ -144,7 +145,7 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
     """Bytes per rank on the busiest rank for every layout of the grid, one array per line of MEMORY_LINES."""
     args = work.args
     cols = cols if cols is not None else layout_columns(work, grid)
-    e = np.asarray([ELEMENT_BYTES[p] for p in PRECISIONS], dtype=np.float64)[grid.precision]
+    e = np.asarray([p.element_bytes for p in PRECISIONS], dtype=np.float64)[grid.precision]
     fsdp = grid.dp_shard > 1
     ddp = (grid.dp_shard == 1) & (grid.dp_replicate > 1)
     m = grid.accumulation
@@ -170,14 +171,15 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
     out = (output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
            + output_layer_transient_bytes_per_token(args, e, grid.tp)) * tok
-    v_shaped = grid.schedule >= 5  # V schedules put the first and the last chunk on the same rank
-    last_in_flight = np.where(grid.schedule == 1, m, 1.0)
+    v_shape = v_shaped(grid.schedule)  # V schedules put the first and the last chunk on the same rank
+    # a schedule that holds every micro-batch's activations (GPipe) holds them on the last rank too
+    last_in_flight = np.where(schedule_column("in_flight", "")[grid.schedule] == "all", m, 1.0)
     # pipeline rank 0 keeps the most micro-batches in flight, the last rank adds the output layer: the larger
     first = act * cols["layers_first"] * in_flight
     last = act * cols["layers_head"] * last_in_flight + out
-    lines["activations"] = np.where((grid.pp == 1) | v_shaped, first,
+    lines["activations"] = np.where((grid.pp == 1) | v_shape, first,
                                     np.where(first >= last, first, act * cols["layers_head"] * last_in_flight))
-    lines["output layer + loss"] = np.where((grid.pp == 1) | v_shaped | (last > first), out, 0.0)
+    lines["output layer + loss"] = np.where((grid.pp == 1) | v_shape | (last > first), out, 0.0)
     one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)
 

@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
-from scaletrain.plan.layout import AC_MODES, PRECISIONS, Layout, LayoutGrid, Workload
+from scaletrain.config.precisions import PRECISION_NAMES
+from scaletrain.config.schedules import SCHEDULE_NAMES
+from scaletrain.plan.layout import AC_MODES, Layout, LayoutGrid, Workload
 from scaletrain.plan.memory import MEMORY_LINES, memory_breakdown, total_bytes
-from scaletrain.plan.pipeline import SCHEDULES, schedule_index
+from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code, schedule_column
 from scaletrain.plan.shapes import layout_columns, params_per_rank
 from scaletrain.plan.steptime import TIME_LINES, peak_flops, step_seconds, time_breakdown
-
-DEFAULT_SCHEDULES = tuple(s.name for s in SCHEDULES[1:])
 
 
 @dataclass(frozen=True)
 class SearchOptions:
     precisions: tuple[str, ...] = ("bf16", "fp32")
     ac_modes: tuple[str, ...] = AC_MODES
-    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    schedules: tuple[str, ...] = SCHEDULE_NAMES
     cp: tuple[int, ...] | None = None  # None: 1, plus 2/4/8 for sequences of 32k tokens and more
     max_micro_batch: int = 16
     max_tp: int | None = None
@@ -134,8 +134,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
 
     mbs = [1 << i for i in range(0, 16) if (1 << i) <= opts.max_micro_batch]
     acs = [AC_MODES.index(a) for a in opts.ac_modes]
-    precs = [PRECISIONS.index(p) for p in opts.precisions]
-    scheds = [0] + [schedule_index(s) for s in opts.schedules]
+    precs = [PRECISION_NAMES.index(p) for p in opts.precisions]
+    scheds = [NO_PIPELINE] + [schedule_code(s) for s in opts.schedules]
     inner = np.array(np.meshgrid(mbs, acs, precs, scheds, indexing="ij")).reshape(4, -1).T
     rows_b = np.repeat(b, len(inner), axis=0)
     rows_i = np.tile(inner, (len(b), 1))
@@ -144,10 +144,11 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
     dp = dpr * dps
     keep = (gb // dp) % mb == 0
     m = np.where(keep, gb // np.maximum(dp * mb, 1), 0)
-    min_factor = np.asarray([s.min_microbatch_factor for s in SCHEDULES])[sched]
-    vstages = np.asarray([s.virtual_stages for s in SCHEDULES])[sched]
-    keep &= np.where(pp == 1, sched == 0, (sched > 0) & (m >= min_factor * pp) & (vstages * pp <= args.n_layers))
-    keep &= ~((sched == 6) & (pp % 2 == 1))  # DualPipeV pairs stages
+    min_factor = schedule_column("planner_min_m_per_pp", 0)[sched]
+    vstages = schedule_column("stages_per_rank", 1)[sched]
+    piped = sched != NO_PIPELINE
+    keep &= np.where(pp == 1, ~piped, piped & (m >= min_factor * pp) & (vstages * pp <= args.n_layers))
+    keep &= ~(schedule_column("planner_even_pp", False)[sched] & (pp % 2 == 1))  # DualPipeV pairs stages
     vstages = np.where(pp == 1, 1, vstages)
     cols = [dpr, dps, tp, pp, cp, mb, m, ac, prec, sched, vstages]
     return LayoutGrid(*(c[keep] for c in cols))

@@ -136,9 +136,11 @@ def param_columns(args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = No
 
 
 def layout_columns(work, grid) -> dict:
-    """param_columns for a plan.layout.Workload and LayoutGrid (V schedules: ZBVZeroBubble, DualPipeV)."""
+    """param_columns for a plan.layout.Workload and LayoutGrid (V-shaped schedules place stages as a V)."""
+    from scaletrain.plan.pipeline import v_shaped
+
     return param_columns(work.args, grid.tp, grid.pp, grid.dp_shard, work.seq_len, grid.virtual_stages,
-                         grid.schedule >= 5)
+                         v_shaped(grid.schedule))
 
 
 def _layer_tp_lookup(args: DecoderShape, tp_f):

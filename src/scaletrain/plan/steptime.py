@@ -17,7 +17,8 @@ import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
-from scaletrain.plan.layout import ELEMENT_BYTES, PRECISIONS, LayoutGrid, Workload
+from scaletrain.config.precisions import PRECISIONS
+from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
 from scaletrain.plan.pipeline import bubble_ratio, p2p_factor
 from scaletrain.plan.shapes import (
@@ -48,7 +49,8 @@ TIME_LINES = ("compute", "recompute", "op dispatch", "tp comm", "cp comm", "pp p
 def peak_flops(cluster: Cluster, precision) -> np.ndarray:
     """Dense FLOP/s per GPU for each precision code (the datasheet peak MFU is measured against)."""
     g = cluster.gpu
-    table = np.asarray([g.bf16_flops, g.bf16_flops, g.fp32_flops], dtype=np.float64)
+    rates = {"bf16": g.bf16_flops, "fp32": g.fp32_flops}
+    table = np.asarray([rates[p.datasheet_rate] for p in PRECISIONS], dtype=np.float64)
     return table[np.asarray(precision)]
 
 
@@ -65,7 +67,7 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     args = work.args
     s = work.seq_len
     cols = cols if cols is not None else layout_columns(work, grid)
-    e = np.asarray([ELEMENT_BYTES[p] for p in PRECISIONS], dtype=np.float64)[grid.precision]
+    e = np.asarray([p.element_bytes for p in PRECISIONS], dtype=np.float64)[grid.precision]
     tp, pp, cp = (x.astype(np.float64) for x in (grid.tp, grid.pp, grid.cp))
     dps, dpr = grid.dp_shard.astype(np.float64), grid.dp_replicate.astype(np.float64)
     m = grid.accumulation.astype(np.float64)

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from scaletrain.config.precisions import precision
 from scaletrain.parallel.data_parallel import DTYPES, uses_autocast
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pipeline import Pipeline
@@ -169,7 +170,7 @@ class Job:
 
 def make_scaler(dims: ParallelDims, dtype: str, device: torch.device, init_scale: float, growth_interval: int):
     """fp16 needs loss scaling: GradScaler, or ShardedGradScaler when gradients are sharded by FSDP."""
-    if dtype != "fp16":
+    if not precision(dtype).loss_scaling:
         return None
     if dims.mode in ("fsdp", "hsdp"):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.config.precisions import precision
+from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.config.schema import JobConfig
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
@@ -124,9 +126,9 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
         if stages > spec.n_blocks:
             raise ValueError(f"parallel.pp: {dims.pp} x {p.stages_per_rank} stage(s) per rank = {stages} pipeline "
                              f"stages, but the model has only {spec.n_blocks} layers; lower parallel.pp")
-        if cfg.precision.dtype == "fp16":
-            raise ValueError("precision.dtype: fp16 loss scaling does not run inside a pipeline schedule; "
-                             "use bf16 with parallel.pp > 1")
+        if precision(cfg.precision.dtype).loss_scaling:
+            raise ValueError(f"precision.dtype: {cfg.precision.dtype} loss scaling does not run inside a pipeline "
+                             f"schedule; use bf16 with parallel.pp > 1")
         pipeline_microbatches(cfg, dims)
 
 
@@ -149,11 +151,12 @@ def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
     if per_rank % m:
         raise ValueError(f"parallel.pp_microbatches: {per_rank} sequences per data-parallel rank do not split into "
                          f"{m} micro-batches; set parallel.pp_microbatches to a divisor of {per_rank}")
-    if p.pp_schedule in ("1F1B", "DualPipeV") and m < stages:
+    schedule = pipeline_schedule(p.pp_schedule)
+    if schedule.microbatch_per_stage and m < stages:
         raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs at least one micro-batch per stage "
                          f"({stages}), got {m}")
     rounds = max(1, m // dims.pp)
-    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % rounds:
+    if schedule.microbatch_rounds and m % rounds:
         raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs a multiple of {rounds} micro-batches "
                          f"(rounds of pp={dims.pp}), got {m}")
     return m

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from scaletrain.config import load_config, validate_config
+from scaletrain.config import JobConfig, load_config, validate_config
 from scaletrain.launch.rank_logs import log_exception, redirect_to_rank_log
 from scaletrain.parallel.runtime import shutdown_distributed
 from scaletrain.train.loop import train
@@ -30,14 +30,18 @@ def run_from_dict(tree: dict) -> dict:
         shutdown_distributed()
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv and "=" not in argv[0] else None
-    cfg = load_config(path, argv[1:] if path else argv)
+def run(cfg: JobConfig) -> None:
+    """Train `cfg` as the rank an external launcher started (`scaletrain train` under torchrun, or main below)."""
     try:
         train(cfg)
     finally:
         shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv and "=" not in argv[0] else None
+    run(load_config(path, argv[1:] if path else argv))
 
 
 if __name__ == "__main__":
