@@ -22,10 +22,8 @@ group, and restore, which splits it; the same run's first start (launch to the r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import signal
 import statistics
 import subprocess
@@ -36,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ helpers import each other by name
 
+import sections  # the shared BENCHMARKS.md section writer
 from peers import PROBE, machine  # noqa: E402  (the probe and machine line benchmarks/peers.py uses)
 
 SECTION = "## Checkpoints: save stall, throughput, recovery"
@@ -433,19 +432,9 @@ def _filesystem(path: Path) -> str:
 def write_section(path: Path, report: list[str], a, argv: list[str] | None) -> None:
     """Replace this benchmark's section of `path` (from SECTION to the next '## ' heading), or append it; the rest
     of the file, hand-written notes included, stays as it is."""
-    args = sys.argv[1:] if argv is None else argv
-    body = [SECTION, "", f"Latest run: {datetime.date.today().isoformat()}, produced by "
-            f"`{shlex.join(['python', 'benchmarks/checkpoint.py', *args])}`.", "", f"Machine: {machine()}.", "",
-            *([a.note, ""] if a.note else []), *report,
-            "How each figure is measured: benchmarks/checkpoint.py's docstring and benchmarks/README.md.", ""]
-    old = path.read_text() if path.exists() else ""
-    start = old.find(SECTION)
-    if start < 0:
-        path.write_text(old.rstrip("\n") + "\n\n" + "\n".join(body))
-        return
-    end = old.find("\n## ", start + len(SECTION))
-    rest = old[end + 1:] if end >= 0 else ""
-    path.write_text(old[:start] + "\n".join(body) + ("\n" + rest if rest else ""))
+    sections.write_section(path, SECTION, "benchmarks/checkpoint.py", argv, report, machine(), a.note,
+                           "How each figure is measured: benchmarks/checkpoint.py's docstring and "
+                           "benchmarks/README.md.")
 
 
 if __name__ == "__main__":

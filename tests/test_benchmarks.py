@@ -16,6 +16,21 @@ def test_overhead_benchmark_runs():
     assert "plain torch" in proc.stdout and "scaletrain" in proc.stdout
 
 
+def test_cli_startup_benchmark_runs(tmp_path):
+    """One rep of every command; the table has a row for each and the report lands in its own section."""
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text("# Benchmarks\n\n## Notes\n\nhand-written\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/cli_startup.py"), "--reps", "1", "--markdown",
+                           str(report)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in ("python -c pass", 'python -c "import torch"', "scaletrain --help", "scaletrain models",
+                "scaletrain ckpt ls RUN", "scaletrain plan --model llama-8b --gpus 8"):
+        assert f"| `{row}` |" in proc.stdout
+    text = report.read_text()
+    assert text.startswith("# Benchmarks\n\n## Notes\n\nhand-written\n")
+    assert "## CLI start-up: time to answer" in text and "| `scaletrain --help` |" in text
+
+
 @pytest.mark.slow
 def test_peers_benchmark_runs(tmp_path):
     """Every runner (scaletrain DDP/FSDP, torch DDP/FSDP2, Accelerate, Fabric) trains 2 steps and the report renders."""

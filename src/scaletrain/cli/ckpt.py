@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import sys
 from pathlib import Path
 
 import click
@@ -16,17 +15,14 @@ from scaletrain.checkpoint.manifest import (
     set_aside_dirs,
     verify,
 )
-
-
-def _fail(message: str, code: int = 2) -> None:
-    click.echo(f"scaletrain: error: {message}", err=True)
-    sys.exit(code)
+from scaletrain.cli.errors import fail
+from scaletrain.exit_codes import EXIT_FAILED
 
 
 def _root(path: Path) -> Path:
     """Accept a run folder, its checkpoints/ folder, or one checkpoint; return the folder holding step_* dirs."""
     if not path.exists():
-        _fail(f"{path}: no such folder; pass a run folder (runs/NAME) or its checkpoints/ folder")
+        fail(f"{path}: no such folder; pass a run folder (runs/NAME) or its checkpoints/ folder")
     if (path / MANIFEST).is_file() or path.name.startswith("step_"):
         return path.parent
     if (path / "checkpoints").is_dir():
@@ -40,7 +36,7 @@ def _targets(path: Path) -> list[Path]:
     root = _root(path)
     found = list_checkpoints(root)
     if not found:
-        _fail(f"{path}: holds no checkpoints (no step_NNNNNNNN folders)")
+        fail(f"{path}: holds no checkpoints (no step_NNNNNNNN folders)")
     return found
 
 
@@ -75,7 +71,7 @@ def ls_cmd(path: Path, deep: bool) -> None:
     for p in partial_dirs(root):
         rows.append((p.name, "?", "-", "-", "-", "-", "incomplete (never committed)"))
     if not rows:
-        _fail(f"{path}: holds no checkpoints")
+        fail(f"{path}: holds no checkpoints")
     head = ("checkpoint", "step", "saved", "size", "layout", "world", "status")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, *rows]:
@@ -93,7 +89,7 @@ def verify_cmd(path: Path) -> None:
         click.echo(f"{p.name}: {'ok' if verdict.ok else 'BAD: ' + verdict.problem}")
         bad += not verdict.ok
     if bad:
-        _fail(f"{bad} checkpoint(s) failed verification", code=1)
+        fail(f"{bad} checkpoint(s) failed verification", code=EXIT_FAILED)
 
 
 @ckpt.command("export")
@@ -113,12 +109,12 @@ def export_cmd(path: Path, fmt: str, out: Path) -> None:
             break
         click.echo(f"skipping {p.name}: {verdict.problem}", err=True)
     if target is None:
-        _fail(f"{path}: no checkpoint passes verification")
+        fail(f"{path}: no checkpoint passes verification")
     if out.exists() and any(out.iterdir()):
-        _fail(f"--out: {out} exists and is not empty; choose a new folder")
+        fail(f"--out: {out} exists and is not empty; choose a new folder")
     try:
         written = export_checkpoint(target, out, fmt)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     for f in written:
         click.echo(f"wrote {f}")

@@ -1,30 +1,24 @@
-"""`scaletrain launch slurm|k8s|container` and `scaletrain doctor`: thin wrappers over scaletrain.launch and
-scaletrain.doctor. Every user error is one line (`scaletrain: error: ...`, exit 2) before anything is written."""
+"""`scaletrain launch slurm|k8s|container`: thin wrappers over scaletrain.launch. Every user error is one line
+(`scaletrain: error: ...`, exit 2) before anything is written."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import click
 
-
-def _fail(message: str) -> None:
-    from scaletrain.cli.main import fail
-
-    fail(message)
+from scaletrain.cli.errors import fail
 
 
 def _load(args: tuple[str, ...]):
     """The validated JobConfig from `[CONFIG.toml] [section.key=value ...]`, as `scaletrain train` reads it."""
-    from scaletrain.config import ConfigError, load_config
+    from scaletrain.config import ConfigError, load_config, split_config_args
 
-    path = args[0] if args and "=" not in args[0] else None
     try:
-        return load_config(path, list(args[1:] if path else args))
+        return load_config(*split_config_args(args))
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 def _prepare(cfg, nodes: int, gpus_per_node: int, ranks: int, output_dir: str | None = None):
@@ -42,12 +36,8 @@ def _prepare(cfg, nodes: int, gpus_per_node: int, ranks: int, output_dir: str | 
         cfg.run.output_dir = output_dir or str(Path(cfg.run.output_dir).resolve())
         resolve_job(cfg, nodes * ranks)
     except ValueError as e:
-        _fail(str(e).splitlines()[0])
+        fail(str(e).splitlines()[0])
     return cfg
-
-
-def _run_dir(cfg) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
 
 
 @click.group()
@@ -91,12 +81,12 @@ def slurm(args, nodes, gpus_per_node, nproc_per_node, partition, account, qos, t
     try:
         check_options(opts)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
     cfg = _prepare(cfg, nodes, gpus_per_node, opts.ranks_per_node())
-    out = (out or _run_dir(cfg) / "slurm").resolve()
+    out = (out or cfg.run_dir() / "slurm").resolve()
     out.mkdir(parents=True, exist_ok=True)
     config_path, script_path = out / "job.toml", out / "job.sbatch"
-    script = render_sbatch(config_path, opts, workdir=Path.cwd(), output=_run_dir(cfg) / "slurm-%j.out",
+    script = render_sbatch(config_path, opts, workdir=Path.cwd(), output=cfg.run_dir() / "slurm-%j.out",
                            python=python)
     ok, msg = bash_syntax_ok(script)
     if not ok:  # a bug in the renderer, never the user's input: say so rather than write a broken script
@@ -110,7 +100,7 @@ def slurm(args, nodes, gpus_per_node, nproc_per_node, partition, account, qos, t
     try:
         job_id = sbatch_submit(script_path)
     except RuntimeError as e:
-        _fail(str(e))
+        fail(str(e))
     click.echo(job_id)
 
 
@@ -146,7 +136,7 @@ def k8s(args, image, nodes, gpus_per_node, nproc_per_node, min_nodes, max_restar
     for item in env:
         key, eq, value = item.partition("=")
         if not eq:
-            _fail(f"--env: {item!r} must look like KEY=VALUE")
+            fail(f"--env: {item!r} must look like KEY=VALUE")
         env_map[key] = value
     opts = K8sOptions(image=image, nodes=nodes, gpus_per_node=gpus_per_node, nproc_per_node=nproc_per_node,
                       name=name or job_name_for(cfg.run.name), namespace=namespace, min_nodes=min_nodes,
@@ -156,14 +146,14 @@ def k8s(args, image, nodes, gpus_per_node, nproc_per_node, min_nodes, max_restar
     try:
         check_options(opts)
     except ManifestError as e:
-        _fail(str(e))
-    local_run_dir = Path(cfg.run.output_dir).resolve() / cfg.run.name
+        fail(str(e))
+    local_run_dir = cfg.run_dir().resolve()
     # inside the pod: outputs on the PVC when there is one, else the container's working folder
     cfg = _prepare(cfg, nodes, gpus_per_node, opts.ranks_per_node(), output_dir=RUNS_MOUNT if pvc else "runs")
     try:
         manifests = build_manifests(opts, to_toml(cfg))
     except ManifestError as e:
-        _fail(str(e))
+        fail(str(e))
     out = (out or local_run_dir / "k8s").resolve()
     out.mkdir(parents=True, exist_ok=True)
     for filename, docs in manifests.items():
@@ -186,7 +176,7 @@ def container(args, out) -> None:
     from scaletrain.launch.container import current_pins, write_build_context
 
     cfg = _load(args)
-    run_dir = Path(cfg.run.output_dir).resolve() / cfg.run.name
+    run_dir = cfg.run_dir().resolve()
     cfg.run.output_dir = "runs"  # relative to the image's working folder; mount a volume there to keep outputs
     out = (out or run_dir / "container").resolve()
     pins = current_pins()
@@ -197,31 +187,3 @@ def container(args, out) -> None:
                f"docker run --gpus all --ipc=host scaletrain-{cfg.run.name}\n"
                f"apptainer: cd {out} && apptainer build scaletrain.sif scaletrain.def && "
                f"apptainer run --nv scaletrain.sif")
-
-
-_MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
-
-
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
-@click.option("--no-bandwidth", is_flag=True, help="Skip the measured all-reduce.")
-@click.option("--nproc", type=click.IntRange(min=2), default=None,
-              help="Local ranks for the all-reduce (default: every GPU, or 2 CPU ranks).")
-def doctor(as_json: bool, no_bandwidth: bool, nproc: int | None) -> None:
-    """Check this host for multi-GPU work: GPUs, links, network, versions, /dev/shm, ulimits, all-reduce.
-
-    Exit code 1 when a check fails, 0 otherwise (warnings included).
-    """
-    from scaletrain.doctor import run_doctor
-
-    checks = run_doctor(bandwidth=not no_bandwidth, nproc=nproc)
-    if as_json:
-        click.echo(json.dumps([c.as_dict() for c in checks], indent=2))
-    else:
-        width = max(len(c.name) for c in checks)
-        for c in checks:
-            click.echo(f"{_MARK[c.status]}  {c.name:<{width}}  {c.detail}")
-        counts = {s: sum(c.status == s for c in checks) for s in _MARK}
-        click.echo(f"{counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail, "
-                   f"{counts['skip']} not checked")
-    sys.exit(1 if any(c.status == "fail" for c in checks) else 0)

@@ -1,19 +1,27 @@
-"""The `scaletrain` command. Thin: parse, check, call the packages. Bad input: one line on stderr, exit 2."""
+"""The `scaletrain` command. Thin: parse, check, call the packages. Bad input: one line on stderr, exit 2.
+
+Answers fast: this module and the command modules import click and stdlib only at the top; each command imports
+what it needs (torch, pydantic, numpy, rich) when it runs, so `scaletrain --help` never loads torch.
+"""
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
-from scaletrain.config import ConfigError, JobConfig, load_config, to_toml
+from scaletrain.cli.ckpt import ckpt
+from scaletrain.cli.doctor import doctor
+from scaletrain.cli.errors import fail
+from scaletrain.cli.launch import launch
+from scaletrain.cli.plan import bench, plan
+from scaletrain.cli.report import report
+from scaletrain.config.errors import ConfigError
+from scaletrain.exit_codes import EXIT_FAILED, EXIT_HANG, EXIT_REQUEUE
 
-EXIT_BAD_INPUT = 2
-
-
-def fail(message: str) -> None:
-    click.echo(f"scaletrain: error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
+if TYPE_CHECKING:
+    from scaletrain.config import JobConfig
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -39,10 +47,10 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
     (byte tokens) on 2 local CPU ranks over gloo, or on every local GPU with NCCL.
     Under an external `torchrun`, runs as the rank it was started as.
     """
+    from scaletrain.config import load_config, split_config_args, to_toml
     from scaletrain.train.preflight import default_nproc, resolve_job, under_external_launcher
 
-    path = args[0] if args and "=" not in args[0] else None
-    overrides = list(args[1:] if path else args)
+    path, overrides = split_config_args(args)
     try:
         cfg = load_config(path, overrides)
     except ConfigError as e:
@@ -78,13 +86,10 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from scaletrain.launch.local import launch_local
-    from scaletrain.launch.rank_logs import failure_line, quiet_agent_failures
-    from scaletrain.train.preemption import EXIT_REQUEUE
-    from scaletrain.train.preflight import run_dir
-    from scaletrain.train.watchdog import EXIT_HANG
+    from scaletrain.monitor.rank_logs import failure_line, quiet_agent_failures
 
     try:
-        with quiet_agent_failures(run_dir(cfg), cfg.launch.max_restarts, cfg.launch.nnodes):
+        with quiet_agent_failures(cfg.run_dir(), cfg.launch.max_restarts, cfg.launch.nnodes):
             launch_local(cfg, nproc, rdzv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
@@ -94,8 +99,8 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
             sys.exit(EXIT_REQUEUE)
         # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
         rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
-        click.echo(f"scaletrain: training failed on {failure_line(run_dir(cfg), rank, first.exitcode)}", err=True)
-        sys.exit(1)
+        click.echo(f"scaletrain: training failed on {failure_line(cfg.run_dir(), rank, first.exitcode)}", err=True)
+        sys.exit(EXIT_FAILED)
     except SignalException as e:
         # the agent was told to stop (scheduler preemption): it sent SIGTERM to the workers, which saved
         click.echo(f"scaletrain: stopped by {e.sigval.name}; workers checkpoint before exiting, the same command "
@@ -146,22 +151,11 @@ def models() -> None:
         click.echo(f"{name:12s} {spec.num_params() / 1e9:9.3f} B params  {shape}  ({spec.family})")
 
 
-from scaletrain.cli.plan import bench, plan  # noqa: E402  (the planner's commands)
-
 main.add_command(plan)
 main.add_command(bench)
-
-from scaletrain.cli.ckpt import ckpt  # noqa: E402  (checkpoint commands)
-
 main.add_command(ckpt)
-
-from scaletrain.cli.launch import doctor, launch  # noqa: E402  (launchers and the host check)
-
 main.add_command(launch)
 main.add_command(doctor)
-
-from scaletrain.cli.report import report  # noqa: E402  (the HTML report)
-
 main.add_command(report)
 
 if __name__ == "__main__":

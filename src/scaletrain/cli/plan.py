@@ -11,12 +11,7 @@ from pathlib import Path
 
 import click
 
-
-def _fail(message: str) -> None:
-    from scaletrain.cli.main import fail
-
-    fail(message)
-
+from scaletrain.cli.errors import fail
 
 # Input ranges: beyond them an answer means nothing, and the search (divisors of --gpus, one row per layout)
 # would take minutes instead of well under a second.
@@ -41,7 +36,7 @@ def _in_range(flag: str, value: float | None) -> None:
     lo, hi, why = PLAN_RANGES[flag]
     if not math.isfinite(value) or not lo <= value <= hi:
         show = (lambda x: f"{x:,}") if isinstance(hi, int) else (lambda x: f"{x:g}")
-        _fail(f"{flag}: must be {show(lo)} to {show(hi)} ({why}); got {show(value)}")
+        fail(f"{flag}: must be {show(lo)} to {show(hi)} ({why}); got {show(value)}")
 
 
 def _number(text: str | None, flag: str) -> float | None:
@@ -53,11 +48,11 @@ def _number(text: str | None, flag: str) -> float | None:
     try:
         value = float(t[:-1] if scale != 1.0 else t) * scale
     except ValueError:
-        _fail(f"{flag}: expected a number such as 8e9, 8B or 15T (got {text!r})")
+        fail(f"{flag}: expected a number such as 8e9, 8B or 15T (got {text!r})")
     if not math.isfinite(value):
-        _fail(f"{flag}: must be a finite number (got {text!r})")
+        fail(f"{flag}: must be a finite number (got {text!r})")
     if value <= 0:
-        _fail(f"{flag}: must be positive (got {text!r})")
+        fail(f"{flag}: must be positive (got {text!r})")
     _in_range(flag, value)
     return value
 
@@ -82,7 +77,7 @@ def _workload(model, params, dims, seq_len, global_batch, gpus):
         args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
     else:
         if model not in presets() or preset_spec(model).shape() is None:
-            _fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
+            fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
         args, name = preset_spec(model).shape(), model
     changes = {k: v for k, v in dims.items() if v is not None}
     if changes:  # each already within PLAN_RANGES
@@ -91,7 +86,7 @@ def _workload(model, params, dims, seq_len, global_batch, gpus):
         try:
             args.check()
         except ValueError as e:
-            _fail(str(e))
+            fail(str(e))
     seq = seq_len if seq_len is not None else min(8192, args.max_seq_len)
     if seq > args.max_seq_len:
         args = dataclasses.replace(args, max_seq_len=seq)
@@ -118,13 +113,13 @@ def _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, 
                 cluster = dataclasses.replace(cluster, pue=pue)
         else:
             if gpus is None:
-                _fail("--gpus: required (or pass --cluster FILE.toml)")
+                fail("--gpus: required (or pass --cluster FILE.toml)")
             kwargs = {"pue": pue} if pue is not None else {}
             cluster = make_cluster(gpu, gpus, interconnect, gpus_per_node, usd, **kwargs)
         if calibration:
             cluster = apply_calibration(cluster, load_calibration(calibration))
     except (ClusterFileError, CalibrationError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     return cluster
 
 
@@ -244,20 +239,12 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
          top, tokens_text, compare_gpus, usd_per_gpu_hour, pue, as_json) -> None:
     """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
     explained. Example: `scaletrain plan --model llama-8b --gpus 64 --gpu h100-sxm --interconnect nvlink4,ib-ndr`."""
-    from scaletrain.plan import (
-        SearchOptions,
-        budget_for,
-        compare_gpus as compare,
-        explain_alternatives,
-        explain_top,
-        fits_on,
-        search_layouts,
-        smallest_setup,
-    )
-    from scaletrain.plan.advice import fit_reason
     from scaletrain.config.precisions import PRECISION_NAMES
+    from scaletrain.plan import SearchOptions
+    from scaletrain.plan import compare_gpus as compare
     from scaletrain.plan.layout import AC_MODES
     from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code
+    from scaletrain.plan.report import DoesNotFit, compare_dict, plan_report
 
     params = _number(params_text, "--params")
     tokens = _number(tokens_text, "--tokens")
@@ -267,33 +254,33 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
                         ("--vocab", vocab_size), ("--top", top)):
         _in_range(flag, value)
     if pue is not None and not (math.isfinite(pue) and pue >= 1):
-        _fail(f"--pue: must be a finite number of at least 1.0 (got {pue})")
+        fail(f"--pue: must be a finite number of at least 1.0 (got {pue})")
     if usd_per_gpu_hour is not None and not (math.isfinite(usd_per_gpu_hour) and usd_per_gpu_hour >= 0):
-        _fail(f"--usd-per-gpu-hour: must be a finite number, not negative (got {usd_per_gpu_hour})")
+        fail(f"--usd-per-gpu-hour: must be a finite number, not negative (got {usd_per_gpu_hour})")
     precs, acs = _list(precisions), _list(ac_modes)
     for p in precs:
         if p not in PRECISION_NAMES:
-            _fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISION_NAMES)}")
+            fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISION_NAMES)}")
     for a in acs:
         if a not in AC_MODES:
-            _fail(f"--ac: unknown mode {a!r}; choose from {', '.join(AC_MODES)}")
+            fail(f"--ac: unknown mode {a!r}; choose from {', '.join(AC_MODES)}")
     if not precs or not acs:
-        _fail("--precision/--ac: give at least one value")
+        fail("--precision/--ac: give at least one value")
     sched = _list(schedules)
     for name in sched or ():
         try:
             if schedule_code(name) == NO_PIPELINE:
                 raise ValueError(f"--schedules: {name!r} is not a pipeline schedule")
         except ValueError as e:
-            _fail(str(e))
+            fail(str(e))
     cps = None
     if cp_text:
         try:
             cps = tuple(int(x) for x in _list(cp_text))
         except ValueError:
-            _fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
+            fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
         if any(not 1 <= c <= PLAN_RANGES["--gpus"][1] for c in cps):
-            _fail(f"--cp: degrees must be 1 to {PLAN_RANGES['--gpus'][1]:,} (got {cp_text!r})")
+            fail(f"--cp: degrees must be 1 to {PLAN_RANGES['--gpus'][1]:,} (got {cp_text!r})")
     opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top,
                          **({"schedules": sched} if sched else {}))
 
@@ -303,65 +290,34 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
                                          "n_kv_heads": n_kv_heads, "ffn_dim": ffn_dim, "vocab_size": vocab_size},
                          seq_len, global_batch, cluster.gpus)
     except ValueError as e:
-        _fail(str(e))
+        fail(str(e))
 
     if compare_gpus:
         if tokens is None:
-            _fail("--compare-gpus: needs a token budget; add --tokens (e.g. --tokens 1T)")
+            fail("--compare-gpus: needs a token budget; add --tokens (e.g. --tokens 1T)")
         try:
             budgets = compare(work, list(_list(compare_gpus)), cluster.gpus, tokens, opts,
                               inter_link=cluster.inter_link.name if interconnect and "," in interconnect else None,
                               usd_per_gpu_hour=usd_per_gpu_hour, pue=pue)
         except ValueError as e:
-            _fail(str(e).replace("--gpu:", "--compare-gpus:"))
+            fail(str(e).replace("--gpu:", "--compare-gpus:"))
         if not any(b.fits for b in budgets):
-            _fail(f"{work.model_name} fits on none of {compare_gpus} with {cluster.gpus} GPUs; "
-                  f"{budgets[0].note}")
+            fail(f"{work.model_name} fits on none of {compare_gpus} with {cluster.gpus} GPUs; "
+                 f"{budgets[0].note}")
         if as_json:
-            click.echo(json.dumps({"model": work.model_name, "tokens": tokens,
-                                   "compare": [b.to_dict() for b in budgets]}, indent=2))
+            click.echo(json.dumps(compare_dict(work, tokens, budgets), indent=2))
         else:
             _print_compare(budgets, tokens, work)
         return
 
-    result = search_layouts(work, cluster, opts)
-    if not result.rows:
-        smallest = smallest_setup(work, cluster, opts)
-        where = (f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} "
-                 f"({smallest.row.layout.describe()})" if smallest else
-                 f"it fits on no count of {cluster.gpu.name} up to 65,536")
-        _fail(f"{work.model_name} does not fit on {cluster.gpus} x {cluster.gpu.name}: {fit_reason(result)}; "
-              f"{where}")
-
-    one = fits_on(work, cluster.with_gpus(1), opts) if cluster.gpus > 1 else None
-    advice = []
-    if one is not None:
-        advice.append(f"one {cluster.gpu.name}: {one.reason}")
-        if not one.fits:
-            smallest = smallest_setup(work, cluster, opts)
-            if smallest:
-                nodes = "one server" if smallest.gpus <= cluster.gpus_per_node else \
-                    f"{smallest.gpus // cluster.gpus_per_node} nodes"
-                advice.append(f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
-                              f"{smallest.row.layout.describe()}")
-    else:
-        advice.append(f"one {cluster.gpu.name}: {fit_reason(result)}")
-    budget = budget_for(result, tokens) if tokens else None
+    try:
+        report = plan_report(work, cluster, opts, tokens)
+    except DoesNotFit as e:
+        fail(str(e))
     if as_json:
-        click.echo(json.dumps({
-            "model": {"name": work.model_name, **dataclasses.asdict(work.args),
-                      "params": work.args.num_params()},
-            "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch},
-            "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                        "nodes": cluster.nodes, "intra_link": cluster.intra_link.name,
-                        "inter_link": cluster.inter_link.name, "memory_bytes": cluster.memory_bytes,
-                        "calibration": cluster.calibration_note or None},
-            "searched": result.searched, "fitting": result.fitting, "search_seconds": result.seconds,
-            "layouts": [r.to_dict() for r in result.rows],
-            "why": explain_top(result), "alternatives": explain_alternatives(result), "advice": advice,
-            "budget": budget.to_dict() if budget else None}, indent=2))
+        click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    _print_plan(result, explain_top(result), explain_alternatives(result), advice, budget)
+    _print_plan(report.result, report.why, report.alternatives, report.advice, report.budget)
 
 
 @click.command()
@@ -376,14 +332,14 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
     from scaletrain.hardware.calibration import save_calibration
 
     if nproc < 2:
-        _fail(f"--nproc: an all-reduce needs at least 2 ranks (got {nproc})")
+        fail(f"--nproc: an all-reduce needs at least 2 ranks (got {nproc})")
     if size_mb <= 0 or matmul_n < 16:
-        _fail("--size-mb must be positive and --matmul-n at least 16")
+        fail("--size-mb must be positive and --matmul-n at least 16")
     out = Path(output)
     if out.exists() and out.is_dir():
-        _fail(f"--output: {output!r} is a folder; give a file name")
+        fail(f"--output: {output!r} is a folder; give a file name")
     if not out.parent.exists():
-        _fail(f"--output: folder {str(out.parent)!r} does not exist")
+        fail(f"--output: folder {str(out.parent)!r} does not exist")
     cal = run_bench(nproc=nproc, matmul_n=matmul_n, allreduce_bytes=int(size_mb * 2**20))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     save_calibration(cal, tmp)

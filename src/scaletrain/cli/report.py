@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from scaletrain.cli.errors import fail
+
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
@@ -13,7 +15,6 @@ import click
               help="HTML file to write (default: RUN_DIR/report.html).")
 def report(run_dir: Path, output: Path | None) -> None:
     """Write RUN_DIR's HTML report (loss, throughput, MFU, memory, step breakdown, device samples, diagnosis)."""
-    from scaletrain.cli.main import fail
     from scaletrain.monitor.report import write_report
 
     if not (run_dir / "metrics.jsonl").is_file():

@@ -13,11 +13,8 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from scaletrain.config.errors import ConfigError
 from scaletrain.config.schema import JobConfig
-
-
-class ConfigError(ValueError):
-    """A job config a user wrote is wrong; the message is one line naming the field."""
 
 
 def _section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -67,6 +64,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except tomllib.TOMLDecodeError:
         value = raw
     return path, value
+
+
+def split_config_args(args: list[str] | tuple[str, ...]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.toml] [section.key=value ...]` -> (the TOML path or None, the overrides): the first argument is a
+    file unless it is an override."""
+    path = args[0] if args and "=" not in args[0] else None
+    return path, list(args[1:] if path else args)
 
 
 def _set(tree: dict, path: list[str], value: Any) -> None:

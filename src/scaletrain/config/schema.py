@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -295,3 +296,8 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    def run_dir(self) -> Path:
+        """The run's folder, run.output_dir/run.name: config, metrics, logs, checkpoints (relative to the cwd when
+        output_dir is)."""
+        return Path(self.run.output_dir) / self.run.name

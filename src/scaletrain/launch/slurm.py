@@ -22,12 +22,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.launch.counts import check_rank_counts
-
-try:  # the trainer's "requeue me" exit code
-    from scaletrain.train.preemption import EXIT_REQUEUE
-except ImportError:  # until the preemption module lands: EX_TEMPFAIL from sysexits.h
-    EXIT_REQUEUE = 75
 
 # Rendezvous ports: unprivileged and below Linux's default ephemeral range (32768-60999), so an outgoing
 # connection never holds it. Every node computes the same port from the job id; the restart count moves it,

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from scaletrain.parallel.network import worker_store
+from scaletrain.parallel.rank_env import apply_mpi_env
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -37,9 +40,6 @@ def init_distributed(device_type: str, timeout_s: float = 600.0, rdzv_endpoint: 
     the MPI rank variables are mapped to them first (MASTER_ADDR/PORT from the environment, else rdzv_endpoint);
     otherwise a one-rank group on an in-memory store, so the same code runs in a plain `python` process.
     """
-    from scaletrain.launch.mpi import apply_mpi_env
-    from scaletrain.launch.network import worker_store
-
     backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         apply_mpi_env(os.environ, rdzv_endpoint)

@@ -89,6 +89,31 @@ def smallest_setup(work: Workload, cluster: Cluster, opts: SearchOptions | None 
     return None
 
 
+def no_fit_message(work: Workload, cluster: Cluster, result: PlanResult, opts: SearchOptions | None = None) -> str:
+    """One line for a search where nothing fits: why, and the smallest setup of this GPU that works, if any."""
+    smallest = smallest_setup(work, cluster, opts)
+    where = (f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} "
+             f"({smallest.row.layout.describe()})" if smallest else
+             f"it fits on no count of {cluster.gpu.name} up to {MAX_GPUS_TRIED:,}")
+    return f"{work.model_name} does not fit on {cluster.gpus} x {cluster.gpu.name}: {fit_reason(result)}; {where}"
+
+
+def setup_advice(work: Workload, cluster: Cluster, result: PlanResult, opts: SearchOptions | None = None) -> list[str]:
+    """Lines on the setup itself: is one GPU of this kind enough, and if not, the smallest setup that fits."""
+    one = fits_on(work, cluster.with_gpus(1), opts) if cluster.gpus > 1 else None
+    if one is None:
+        return [f"one {cluster.gpu.name}: {fit_reason(result)}"]
+    advice = [f"one {cluster.gpu.name}: {one.reason}"]
+    if not one.fits:
+        smallest = smallest_setup(work, cluster, opts)
+        if smallest:
+            nodes = "one server" if smallest.gpus <= cluster.gpus_per_node else \
+                f"{smallest.gpus // cluster.gpus_per_node} nodes"
+            advice.append(f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
+                          f"{smallest.row.layout.describe()}")
+    return advice
+
+
 def budget_for(result: PlanResult, tokens: float) -> Budget:
     """Time, GPU-hours, cost and energy of training `tokens` tokens with the best layout of `result`."""
     c = result.cluster

@@ -15,10 +15,10 @@ from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.export import load_hf_weights
 from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
+from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.monitor import StepProgress, configure_logging, log
 from scaletrain.monitor.session import TrainMonitor, open_sinks
-from scaletrain.train.preemption import EXIT_REQUEUE, PreemptionWatch
-from scaletrain.train.preflight import run_dir
+from scaletrain.train.preemption import PreemptionWatch
 from scaletrain.train.trainer import NonFiniteError, StepResult, Trainer
 from scaletrain.train.watchdog import Watchdog
 
@@ -155,7 +155,7 @@ def train(cfg: JobConfig, console: TextIO | None = None) -> dict:
 def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
     """Train `trainer` to train.steps with checkpoints, metrics, evaluation, preemption and hang detection."""
     cfg, rt = trainer.cfg, trainer.rt
-    out = run_dir(cfg)
+    out = cfg.run_dir()
     ckpt = open_checkpoints(trainer, out)
     start_step = resume(trainer, ckpt)
     outputs = _Outputs(trainer, out, start_step, console)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import signal
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL from sysexits.h: "try again later" -- a checkpoint was saved, requeue the job
+from scaletrain.exit_codes import EXIT_REQUEUE  # noqa: F401  (what a preempted rank exits with; tests read it here)
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.rank_env import under_external_launcher  # noqa: F401  (the command asks preflight)
 
 
 @dataclass(frozen=True)
@@ -169,15 +169,3 @@ def default_nproc(device: str) -> int:
     if device in ("auto", "cuda") and torch.cuda.is_available():
         return torch.cuda.device_count()
     return 2
-
-
-def run_dir(cfg: JobConfig) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
-
-
-def under_external_launcher() -> bool:
-    """True inside a process started by an external torchrun (or any launcher setting RANK/WORLD_SIZE), or by
-    mpirun/mpiexec (Open MPI, MPICH, Intel MPI, MVAPICH2, PMIx rank variables)."""
-    from scaletrain.launch.mpi import detect_mpi
-
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or detect_mpi(os.environ) is not None

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import psutil
 
-EXIT_HANG = 124  # like timeout(1): the run stopped making progress
+from scaletrain.exit_codes import EXIT_HANG
+
 # run by a helper process: wait until process argv[1] is reaped (/proc/PID lasts while it is a zombie), then SIGKILL
 _KILLER = """import os, sys, time
 while os.path.exists(f"/proc/{sys.argv[1]}"):

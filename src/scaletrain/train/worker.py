@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
-from scaletrain.config import JobConfig, load_config, validate_config
-from scaletrain.launch.rank_logs import log_exception, redirect_to_rank_log
+from scaletrain.config import JobConfig, load_config, split_config_args, validate_config
+from scaletrain.monitor.rank_logs import log_exception, redirect_to_rank_log
 from scaletrain.parallel.runtime import shutdown_distributed
 from scaletrain.train.loop import train
-from scaletrain.train.preflight import run_dir
 
 
 def run_from_dict(tree: dict) -> dict:
@@ -19,7 +18,7 @@ def run_from_dict(tree: dict) -> dict:
     writes goes to RUN_DIR/logs/rank<r>.log; rank 0's progress still reaches the terminal."""
     cfg = validate_config(tree)
     rank = int(os.environ.get("RANK", "0"))
-    console = redirect_to_rank_log(run_dir(cfg), rank)
+    console = redirect_to_rank_log(cfg.run_dir(), rank)
     try:
         return train(cfg, console=console)
     except BaseException as e:
@@ -40,8 +39,7 @@ def run(cfg: JobConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv and "=" not in argv[0] else None
-    run(load_config(path, argv[1:] if path else argv))
+    run(load_config(*split_config_args(argv)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ and one line per failure that points at the file.
 Worker side: `redirect_to_rank_log` moves the process's stdout and stderr into the file (file descriptors 1 and 2,
 so C++ and faulthandler output too) and hands back a stream to the terminal. Agent side: `quiet_agent_failures`
 turns torch elastic's multi-line failure logging into those single lines, and `failure_line` words the last one.
+Both sides read and write one format, so it lives here, where the trainer and the command may both import it.
 """
 
 from __future__ import annotations
