@@ -57,8 +57,9 @@ def _number(text: str | None, flag: str) -> float | None:
     return value
 
 
-def _list(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
+def _list(text: str | None) -> tuple[str, ...]:
+    """Comma-separated values; () when the option was not given."""
+    return () if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _console():
@@ -267,7 +268,7 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
     if not precs or not acs:
         fail("--precision/--ac: give at least one value")
     sched = _list(schedules)
-    for name in sched or ():
+    for name in sched:
         try:
             if schedule_code(name) == NO_PIPELINE:
                 raise ValueError(f"--schedules: {name!r} is not a pipeline schedule")
@@ -281,8 +282,9 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
             fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
         if any(not 1 <= c <= PLAN_RANGES["--gpus"][1] for c in cps):
             fail(f"--cp: degrees must be 1 to {PLAN_RANGES['--gpus'][1]:,} (got {cp_text!r})")
-    opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top,
-                         **({"schedules": sched} if sched else {}))
+    opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top)
+    if sched:
+        opts = dataclasses.replace(opts, schedules=sched)
 
     cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     try:
@@ -345,6 +347,6 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
     save_calibration(cal, tmp)
     tmp.replace(out)  # written whole or not at all
     click.echo(f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
-               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {cal.op_overhead_s * 1e6:.1f} us per dispatched op, "
+               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op, "
                f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
                f"over {cal.ranks} ranks -> {output}")

@@ -172,9 +172,9 @@ def check_links(nvml) -> tuple[list[Check], float | None, str]:
         from scaletrain.hardware.detect import catalog_name_for
 
         gpu = catalog_name_for(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
-        link = LINKS.get(GPUS[gpu].default_intra_link) if gpu in GPUS else None
-        if link and link.name.startswith("nvlink"):
-            expected, link_name = link.bandwidth, link.description
+        spec = LINKS.get(GPUS[gpu].default_intra_link) if gpu is not None and gpu in GPUS else None
+        if spec and spec.name.startswith("nvlink"):
+            expected, link_name = spec.bandwidth, spec.description
     rows.append(Check("pcie / nvlink", status, "; ".join(details[:8]) or "no PCIe data from NVML"))
     return rows, expected, link_name
 
@@ -184,7 +184,8 @@ def check_network() -> list[Check]:
     if not base.is_dir() or not any(base.iterdir()):
         return [Check("infiniband / roce", "warn", "no InfiniBand or RoCE device (/sys/class/infiniband is empty "
                                                    "or absent): traffic between nodes would go over TCP sockets")]
-    ports, down = [], []
+    ports: list[str] = []
+    down: list[str] = []
     for dev in sorted(base.iterdir()):
         for port in sorted((dev / "ports").glob("*")):
             def read(name: str, port: Path = port) -> str:

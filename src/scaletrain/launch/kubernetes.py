@@ -111,11 +111,11 @@ def _env_list(opts: K8sOptions) -> list[tuple[str, str]]:
 
 def _volumes(opts: K8sOptions, config_map: str) -> tuple[list[dict], list[dict]]:
     """(volumes, mounts) as plain dicts: /dev/shm, the job config, and the run folder when a PVC is given."""
-    volumes = [
+    volumes: list[dict] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}},
         {"name": "job-config", "configMap": {"name": config_map}},
     ]
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"},
+    mounts: list[dict] = [{"name": "dshm", "mountPath": "/dev/shm"},
               {"name": "job-config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
     if opts.pvc:
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": opts.pvc}})

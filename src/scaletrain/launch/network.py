@@ -36,7 +36,7 @@ def resolve(host: str, field: str = "launch.rdzv_endpoint") -> str:
         raise ValueError(f"{field}: cannot resolve host '{host}' ({e.strerror}); give a name or IP address "
                          f"this host can resolve") from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
-    return infos[0][4][0]
+    return str(infos[0][4][0])
 
 
 def listen_address(nnodes: int, rdzv_endpoint: str, local_addr: str = "") -> str:

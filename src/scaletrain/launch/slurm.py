@@ -65,10 +65,11 @@ def time_limit_seconds(text: str) -> int | None:
     if not m:
         raise ValueError(f"--time: {text!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS)")
     d, a, b, c = (int(x) if x else None for x in m.groups())
+    assert a is not None  # the pattern always captures the first number
     if d is not None:  # D-H[:M[:S]]
         return d * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
     if c is not None:
-        return a * 3600 + b * 60 + c
+        return a * 3600 + (b or 0) * 60 + c
     if b is not None:
         return a * 60 + b
     return a * 60

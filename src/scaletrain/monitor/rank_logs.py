@@ -106,7 +106,7 @@ class _AgentFailures(logging.Filter):
         # (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)", ...) once per failed worker group
         if not (msg.startswith("failed (exitcode") and isinstance(record.args, tuple) and len(record.args) == 5):
             return True
-        exitcode, local_rank = record.args[0], record.args[1]
+        exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[call-overload]
         if self.restarts_left > 0:
             self.restarts_left -= 1
             done = self.restarts - self.restarts_left

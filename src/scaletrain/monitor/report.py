@@ -34,7 +34,7 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [first + i * step for i in range(int((hi - first) / step) + 1)]
 
 
-def _fmt(v: float) -> str:
+def _fmt(v) -> str:
     a = abs(v)
     if a >= 1e9:
         return f"{v / 1e9:g}G"
@@ -77,9 +77,9 @@ def _frame(title: str, xlabel: str, ylabel: str, x0, x1, y0, y1, body, legend: l
     return "".join(parts)
 
 
-def line_chart(title: str, series: list[tuple[str, list[float], list[float]]], xlabel: str, ylabel: str,
+def line_chart(title: str, series: list[tuple[str, list, list]], xlabel: str, ylabel: str,
                zero: bool = False) -> str:
-    """SVG line chart; series: (name, xs, ys). Non-finite points are dropped."""
+    """SVG line chart; series: (name, xs, ys). Missing (None) and non-finite points are dropped."""
     series = [(n, [x for x, y in zip(xs, ys) if _ok(y)], [y for y in ys if _ok(y)]) for n, xs, ys in series]
     series = [s for s in series if s[1]]
     if not series:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ def _nvml_handle(device: torch.device):
     import pynvml  # from nvidia-ml-py
 
     pynvml.nvmlInit()
-    props = torch.cuda.get_device_properties(device)
+    props: Any = torch.cuda.get_device_properties(device)  # pci_* fields are missing from torch's stubs
     try:  # PCI bus id survives CUDA_VISIBLE_DEVICES renumbering; the index does not
         bus = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
         return pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)

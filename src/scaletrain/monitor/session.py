@@ -35,7 +35,7 @@ def open_sinks(cfg, out: Path, start_step: int):
     """metrics.jsonl always; TensorBoard event files in out/tensorboard when monitor.tensorboard (rank 0 only)."""
     from scaletrain.monitor.tensorboard import MultiSink, TensorBoardSink
 
-    sinks = [JsonlSink(out / "metrics.jsonl", append=start_step > 0)]
+    sinks: list = [JsonlSink(out / "metrics.jsonl", append=start_step > 0)]
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard", purge_step=start_step + 1 if start_step else None))
     return MultiSink(sinks)
@@ -101,7 +101,7 @@ class TrainMonitor:
         """Add MFU and the rank-aggregated breakdown to a log record. Call on every rank at log steps."""
         if self.peak and self.flops_per_token and record.get("tokens_per_s"):
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak
-        if self.timer.enabled:
+        if isinstance(self.timer, StepTimer):  # enabled: the breakdown is on
             rows = gather_windows(self.timer.window(), self.device)
             record.update(combine_ranks(rows, record["step_time_s"]))
             if self.pp_bubble_predicted is not None:

@@ -124,7 +124,7 @@ class StepTimer:
         self.nvtx = nvtx and self.cuda
         self.label_ops = False  # set while a profiler window records, so phases show up in the trace
         self.inject = inject or {}
-        self._phases = {}
+        self._phases: dict = {}
         self.acc: dict[str, float] = {}
         self.pending: list = []
         self.last_ready = 0.0
@@ -134,7 +134,7 @@ class StepTimer:
         self.in_fb = False
         self._pp_t0 = 0.0
         self.steps = 0
-        self._handles = []
+        self._handles: list = []
         if model is not None:
             self._install_hooks(model, pipeline_stages)
 
@@ -232,8 +232,8 @@ def combine_ranks(rows: list[dict[str, float]], step_time_s: float) -> dict:
             r["backward"] = max(r["backward"] - r["comm"], 0.0)
         r["busy"] = r["data"] + r["forward"] + r["backward"] + r["optimizer"]
     n = len(rows)
-    out = {f"time_{k}_s": sum(r[k] for r in rows) / n for k in PHASES}
-    out["time_other_s"] = max(step_time_s - sum(out[f"time_{k}_s"] for k in PHASES), 0.0)
+    means = {f"time_{k}_s": sum(r[k] for r in rows) / n for k in PHASES}
+    out: dict[str, object] = {**means, "time_other_s": max(step_time_s - sum(means.values()), 0.0)}
     busy = [r["busy"] for r in rows]
     med = sorted(busy)[n // 2] if n % 2 else sum(sorted(busy)[n // 2 - 1:n // 2 + 1]) / 2
     slowest = max(range(n), key=lambda i: busy[i])

@@ -93,7 +93,7 @@ def no_fit_message(work: Workload, cluster: Cluster, result: PlanResult, opts: S
     """One line for a search where nothing fits: why, and the smallest setup of this GPU that works, if any."""
     smallest = smallest_setup(work, cluster, opts)
     where = (f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} "
-             f"({smallest.row.layout.describe()})" if smallest else
+             f"({smallest.row.layout.describe()})" if smallest and smallest.row else
              f"it fits on no count of {cluster.gpu.name} up to {MAX_GPUS_TRIED:,}")
     return f"{work.model_name} does not fit on {cluster.gpus} x {cluster.gpu.name}: {fit_reason(result)}; {where}"
 
@@ -106,7 +106,7 @@ def setup_advice(work: Workload, cluster: Cluster, result: PlanResult, opts: Sea
     advice = [f"one {cluster.gpu.name}: {one.reason}"]
     if not one.fits:
         smallest = smallest_setup(work, cluster, opts)
-        if smallest:
+        if smallest and smallest.row:
             nodes = "one server" if smallest.gpus <= cluster.gpus_per_node else \
                 f"{smallest.gpus // cluster.gpus_per_node} nodes"
             advice.append(f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
@@ -138,7 +138,7 @@ def compare_gpus(work: Workload, gpu_names: list[str], gpus: int, tokens: float,
     for name in gpu_names:
         probe = make_cluster(name, gpus)
         interconnect = f"{probe.intra_link.name},{inter_link}" if inter_link else None
-        kwargs = {} if pue is None else {"pue": pue}
-        cluster = make_cluster(name, gpus, interconnect, usd_per_gpu_hour=usd_per_gpu_hour, **kwargs)
+        cluster = make_cluster(name, gpus, interconnect, usd_per_gpu_hour=usd_per_gpu_hour,
+                               **({} if pue is None else {"pue": pue}))  # type: ignore[arg-type]
         out.append(budget_for(search_layouts(work, cluster, opts), tokens))
     return out

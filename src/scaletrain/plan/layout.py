@@ -173,7 +173,7 @@ class LayoutGrid:
         """A grid of the given layouts (to evaluate a few by hand)."""
         from scaletrain.plan.pipeline import schedule_code
 
-        cols = {f.name: [] for f in fields(cls)}
+        cols: dict[str, list] = {f.name: [] for f in fields(cls)}
         for lay in layouts:
             for name in cols:
                 value = getattr(lay, name)

@@ -75,7 +75,7 @@ def gpt_layer_saved_tensor_bytes(s: int, b: int, h: int, a: int) -> dict[str, fl
 
 
 # ---------------------------------------------------------------------------- the Llama block scaletrain builds
-def rmsnorm_saved_bytes_per_token(h: int, elem_bytes: int, fused: bool = True) -> float:
+def rmsnorm_saved_bytes_per_token(h: int, elem_bytes, fused: bool = True):
     """Bytes one RMSNorm saves per token: the fused CUDA kernel keeps its input and a fp32 rstd; the composite
     path (CPU) upcasts and keeps two fp32 copies of the row plus rstd."""
     return (elem_bytes * h + 4.0) if fused else (8.0 * h + 4.0)
@@ -194,4 +194,4 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
 
 
 def total_bytes(lines: dict[str, np.ndarray]) -> np.ndarray:
-    return sum(lines[k] for k in MEMORY_LINES)
+    return np.sum([lines[k] for k in MEMORY_LINES], axis=0)

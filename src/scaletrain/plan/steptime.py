@@ -163,4 +163,4 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
 
 
 def step_seconds(lines: dict[str, np.ndarray]) -> np.ndarray:
-    return sum(lines[k] for k in TIME_LINES)
+    return np.sum([lines[k] for k in TIME_LINES], axis=0)
