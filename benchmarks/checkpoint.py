@@ -49,8 +49,12 @@ def model_overrides(spec: str) -> list[str]:
 
 
 def job_overrides(a) -> list[str]:
-    return [f"data.seq_len={a.seq_len}", f"train.global_batch_size={a.global_batch}",
-            f"data.max_bytes={a.max_bytes}", "train.warmup_steps=1"]
+    return [
+        f"data.seq_len={a.seq_len}",
+        f"train.global_batch_size={a.global_batch}",
+        f"data.max_bytes={a.max_bytes}",
+        "train.warmup_steps=1",
+    ]
 
 
 # ---------------------------------------------------------------- stall and throughput: one rank of the worker
@@ -62,8 +66,12 @@ def _build(overrides: list[str]):
     from scaletrain.train import Trainer
 
     trainer = Trainer.build(load_config(None, overrides))
-    info = {"layout": trainer.dims.describe(), "world_size": trainer.rt.world_size,
-            "model": trainer.cfg.model.name, "model_spec": trainer.spec.manifest()}
+    info = {
+        "layout": trainer.dims.describe(),
+        "world_size": trainer.rt.world_size,
+        "model": trainer.cfg.model.name,
+        "model_spec": trainer.spec.manifest(),
+    }
     return trainer, info
 
 
@@ -78,8 +86,9 @@ def measure_model(spec: str, w: dict, root: Path) -> dict:
     cfg, rt, job = trainer.cfg, trainer.rt, trainer.job
     params = trainer.spec.num_params()
     managers = {
-        mode: CheckpointManager(cfg.checkpoint.model_copy(update={"async_save": mode == "async"}), root / mode,
-                                rt.rank, rt.world_size, info)
+        mode: CheckpointManager(
+            cfg.checkpoint.model_copy(update={"async_save": mode == "async"}), root / mode, rt.rank, rt.world_size, info
+        )
         for mode in ("sync", "async")
     }
     step = 0
@@ -94,11 +103,14 @@ def measure_model(spec: str, w: dict, root: Path) -> dict:
     trainer_state = trainer.state_dict
 
     train_step()  # AdamW creates its state on the first step: a checkpoint without it would be a third the size
-    out = {"save_s": {"sync": [], "async": []}, "commit_s": {"sync": [], "async": []},
-           "step_s": {"sync": [], "async": []}}
+    out = {
+        "save_s": {"sync": [], "async": []},
+        "commit_s": {"sync": [], "async": []},
+        "step_s": {"sync": [], "async": []},
+    }
     commit_after = cfg.checkpoint.async_commit_after_steps
     for rep in range(w["reps"]):
-        for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):  # drift hits both alike
+        for mode in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):  # drift hits both alike
             mgr = managers[mode]
             t0 = time.perf_counter()
             mgr.save(step, job.model, job.optimizer, trainer_state())
@@ -159,12 +171,35 @@ def worker(spec_path: str) -> None:
 def run_worker(a, workdir: Path, env: dict) -> list[dict]:
     spec = workdir / "spec.json"
     out = workdir / "results.json"
-    spec.write_text(json.dumps({"models": a.models, "job": job_overrides(a), "reps": a.reps,
-                                "steps_per_save": a.steps_per_save, "root": str(workdir / "ckpt"), "out": str(out)}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", str(Path(__file__).resolve()), "--worker", str(spec)]
-    proc = subprocess.run(cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=a.timeout)
+    spec.write_text(
+        json.dumps(
+            {
+                "models": a.models,
+                "job": job_overrides(a),
+                "reps": a.reps,
+                "steps_per_save": a.steps_per_save,
+                "root": str(workdir / "ckpt"),
+                "out": str(out),
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(spec),
+    ]
+    proc = subprocess.run(
+        cmd, env=env, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=a.timeout
+    )
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"checkpoint worker exited {proc.returncode}; last output:\n{proc.stdout[-3000:]}")
     return json.loads(out.read_text())
@@ -174,9 +209,11 @@ def stall_table(results: list[dict]) -> list[str]:
     def ms(values) -> str:
         return f"{statistics.median(values) * 1e3:,.0f}"
 
-    head = "| model | checkpoint (MB) | sync: stall (ms) | async: save() (ms) | async: commit (ms) | " \
-           "async: stall (ms) | async ÷ sync | each rep | target ≤ 0.10 | step (ms), sync run | " \
-           "step (ms), async write in flight |"
+    head = (
+        "| model | checkpoint (MB) | sync: stall (ms) | async: save() (ms) | async: commit (ms) | "
+        "async: stall (ms) | async ÷ sync | each rep | target ≤ 0.10 | step (ms), sync run | "
+        "step (ms), async write in flight |"
+    )
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in results:
         save, commit = r["save_s"], r["commit_s"]
@@ -184,25 +221,55 @@ def stall_table(results: list[dict]) -> list[str]:
         asyn = [s + c for s, c in zip(save["async"], commit["async"])]
         ratio = statistics.median(asyn) / statistics.median(sync)
         each = " ".join(f"{x / y:.2f}" for x, y in zip(asyn, sync))  # the two cycles of a rep ran back to back
-        out.append("| " + " | ".join([
-            r["model"], f"{r['bytes'] / 1e6:,.1f}", ms(sync), ms(save["async"]), ms(commit["async"]), ms(asyn),
-            f"{ratio:.3f}", each, "met" if ratio <= TARGET_STALL else "**not met**", ms(r["step_s"]["sync"]),
-            ms(r["step_s"]["async"])]) + " |")
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    f"{r['bytes'] / 1e6:,.1f}",
+                    ms(sync),
+                    ms(save["async"]),
+                    ms(commit["async"]),
+                    ms(asyn),
+                    f"{ratio:.3f}",
+                    each,
+                    "met" if ratio <= TARGET_STALL else "**not met**",
+                    ms(r["step_s"]["sync"]),
+                    ms(r["step_s"]["async"]),
+                ]
+            )
+            + " |"
+        )
     return out
 
 
 def throughput_table(results: list[dict]) -> list[str]:
     med = statistics.median
-    head = "| model | params (M) | checkpoint (MB) | save (s) | save MB/s | restore (s) | restore MB/s | " \
-           "of restore: sha256 verify (s) |"
+    head = (
+        "| model | params (M) | checkpoint (MB) | save (s) | save MB/s | restore (s) | restore MB/s | "
+        "of restore: sha256 verify (s) |"
+    )
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in results:
         mb = r["bytes"] / 1e6
         save = med(s + c for s, c in zip(r["save_s"]["sync"], r["commit_s"]["sync"]))
         restore = med(r["restore_s"])
-        out.append("| " + " | ".join([r["model"], f"{r['params'] / 1e6:.2f}", f"{mb:,.1f}", f"{save:.3f}",
-                                      f"{mb / save:,.0f}", f"{restore:.3f}", f"{mb / restore:,.0f}",
-                                      f"{r['verify_s']:.3f}"]) + " |")
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    f"{r['params'] / 1e6:.2f}",
+                    f"{mb:,.1f}",
+                    f"{save:.3f}",
+                    f"{mb / save:,.0f}",
+                    f"{restore:.3f}",
+                    f"{mb / restore:,.0f}",
+                    f"{r['verify_s']:.3f}",
+                ]
+            )
+            + " |"
+        )
     return out
 
 
@@ -262,22 +329,38 @@ def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
     run, events = workdir / "runs" / name, workdir / f"events{rep}"
     events.mkdir()
     env = {**env, "SCALETRAIN_BENCH_EVENTS": str(events)}
-    cmd = [sys.executable, "-m", "scaletrain.cli.main", "train", *model_overrides(a.recovery_model),
-           *job_overrides(a), f"train.steps={a.kill_at + 100}", "monitor.log_interval=1",
-           f"checkpoint.interval_steps={a.interval}", "launch.max_restarts=1", "train.eval_interval=0",
-           "train.eval_batches=1", "monitor.progress=false", f"run.name={name}", "--nproc-per-node", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        *model_overrides(a.recovery_model),
+        *job_overrides(a),
+        f"train.steps={a.kill_at + 100}",
+        "monitor.log_interval=1",
+        f"checkpoint.interval_steps={a.interval}",
+        "launch.max_restarts=1",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        f"run.name={name}",
+        "--nproc-per-node",
+        "2",
+    ]
     log = workdir / f"{name}.log"
     deadline = time.monotonic() + a.timeout
     with open(log, "w") as out:
         fresh, again = {"launch": time.time()}, {}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
         try:
+
             def wait(done, what: str):
                 while not done():
                     if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"recovery run {rep}: no {what} (exit {proc.returncode}); last output:\n"
-                                           f"{log.read_text()[-3000:]}")
+                        raise RuntimeError(
+                            f"recovery run {rep}: no {what} (exit {proc.returncode}); last output:\n"
+                            f"{log.read_text()[-3000:]}"
+                        )
                     time.sleep(0.01)  # 10 ms: the resolution of the marks the driver takes itself
                 return time.time()
 
@@ -307,8 +390,12 @@ def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
             proc.wait()
     for marks, pid in ((fresh, old[0]), (again, new_pid["pid"])):
         marks.update({k: e["unix"] for k, e in _events(events, pid).items()})
-    return {"fresh": fresh, "again": again, "killed_at_step": killed_at_step,
-            "resumed_from": _events(events, new_pid["pid"])["restore_end"]["step"]}
+    return {
+        "fresh": fresh,
+        "again": again,
+        "killed_at_step": killed_at_step,
+        "resumed_from": _events(events, new_pid["pid"])["restore_end"]["step"],
+    }
 
 
 def phases(marks: dict) -> list[float | None]:
@@ -348,12 +435,17 @@ def recovery_table(runs: list[dict]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="stall,recovery", help="stall (also gives throughput) and/or recovery")
-    ap.add_argument("--models", default=MODELS,
-                    help="comma-separated presets, each with optional :field=value model overrides")
+    ap.add_argument(
+        "--models", default=MODELS, help="comma-separated presets, each with optional :field=value model overrides"
+    )
     ap.add_argument("--reps", type=int, default=3, help="save cycles per mode and model; recovery runs")
-    ap.add_argument("--steps-per-save", type=int, default=2,
-                    help="training steps after each save (the async save commits after "
-                         "checkpoint.async_commit_after_steps of them, default 2, or at the cycle's end)")
+    ap.add_argument(
+        "--steps-per-save",
+        type=int,
+        default=2,
+        help="training steps after each save (the async save commits after "
+        "checkpoint.async_commit_after_steps of them, default 2, or at the cycle's end)",
+    )
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--max-bytes", type=int, default=300_000, help="stdlib text read as the token stream")
@@ -387,33 +479,52 @@ def main(argv: list[str] | None = None) -> None:
         worker(a.worker)
         return
     # probe first on the path: its sitecustomize stamps the recovery runs' ranks (no-op without its env vars)
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p),
+    }
     report, load = [], os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="scaletrain-ckpt-bench-") as tmp:
         if "stall" in a.parts:
             print("stall and throughput: one launch, every model", file=sys.stderr, flush=True)
             results = run_worker(a, Path(tmp), env)
             r0 = results[0]
-            title = f"2 CPU ranks (gloo), {r0['layout']}, fp32, AdamW; {a.global_batch} x {a.seq_len} tokens per " \
-                    f"step; {a.reps} alternating reps of each mode; async commit after {r0['commit_after']} steps; " \
-                    f"checkpoints on {_filesystem(Path(tmp))}"
-            report += [f"**Training stall per save, async against sync** ({title}).", "", *stall_table(results), "",
-                       "**Save and restore throughput** (sync saves of the runs above; restore reads what the last "
-                       "save wrote, from the page cache).", "", *throughput_table(results), ""]
+            title = (
+                f"2 CPU ranks (gloo), {r0['layout']}, fp32, AdamW; {a.global_batch} x {a.seq_len} tokens per "
+                f"step; {a.reps} alternating reps of each mode; async commit after {r0['commit_after']} steps; "
+                f"checkpoints on {_filesystem(Path(tmp))}"
+            )
+            report += [
+                f"**Training stall per save, async against sync** ({title}).",
+                "",
+                *stall_table(results),
+                "",
+                "**Save and restore throughput** (sync saves of the runs above; restore reads what the last "
+                "save wrote, from the page cache).",
+                "",
+                *throughput_table(results),
+                "",
+            ]
         if "recovery" in a.parts:
             runs = []
             for rep in range(a.reps):
                 print(f"recovery {rep + 1}/{a.reps}", file=sys.stderr, flush=True)
                 runs.append(recovery_run(a, rep, Path(tmp), env))
             lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
-            report += [f"**Recovery from SIGKILL of rank {a.kill_rank}** (`scaletrain train`, model "
-                       f"{a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
-                       f"launch.max_restarts=1, {a.reps} runs; killed after step → resumed from step: {lost}).",
-                       "", *recovery_table(runs), ""]
+            report += [
+                f"**Recovery from SIGKILL of rank {a.kill_rank}** (`scaletrain train`, model "
+                f"{a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
+                f"launch.max_restarts=1, {a.reps} runs; killed after step → resumed from step: {lost}).",
+                "",
+                *recovery_table(runs),
+                "",
+            ]
     # other jobs on a shared machine slow both modes but blur the split: say how loaded it was
-    report += [f"Load average (1 min) at start and end: {load[0]:.1f}, {os.getloadavg()[0]:.1f} on "
-               f"{os.cpu_count()} cores.", ""]
+    report += [
+        f"Load average (1 min) at start and end: {load[0]:.1f}, {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",
+        "",
+    ]
     print("\n".join(report))
     if a.markdown:
         write_section(a.markdown, report, a, argv)
@@ -432,9 +543,16 @@ def _filesystem(path: Path) -> str:
 def write_section(path: Path, report: list[str], a, argv: list[str] | None) -> None:
     """Replace this benchmark's section of `path` (from SECTION to the next '## ' heading), or append it; the rest
     of the file, hand-written notes included, stays as it is."""
-    sections.write_section(path, SECTION, "benchmarks/checkpoint.py", argv, report, machine(), a.note,
-                           "How each figure is measured: benchmarks/checkpoint.py's docstring and "
-                           "benchmarks/README.md.")
+    sections.write_section(
+        path,
+        SECTION,
+        "benchmarks/checkpoint.py",
+        argv,
+        report,
+        machine(),
+        a.note,
+        "How each figure is measured: benchmarks/checkpoint.py's docstring and benchmarks/README.md.",
+    )
 
 
 if __name__ == "__main__":

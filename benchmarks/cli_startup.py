@@ -37,9 +37,15 @@ def fake_checkpoint(root: Path) -> Path:
     step.mkdir(parents=True)
     data = bytes(range(256)) * 4
     (step / "__0_0.distcp").write_bytes(data)
-    manifest = {"format": "scaletrain-dcp-1", "step": 10, "time": time.time(), "world_size": 2, "layout": "ddp",
-                "files": {"__0_0.distcp": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
-                "bytes": len(data)}
+    manifest = {
+        "format": "scaletrain-dcp-1",
+        "step": 10,
+        "time": time.time(),
+        "world_size": 2,
+        "layout": "ddp",
+        "files": {"__0_0.distcp": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}},
+        "bytes": len(data),
+    }
     (step / "manifest.json").write_text(json.dumps(manifest))
     return root / "runs" / "fake"
 
@@ -94,8 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     print(title)
     print("\n".join(lines))
     if a.markdown:
-        sections.write_section(a.markdown, SECTION, "benchmarks/cli_startup.py", argv, [title, "", *lines, ""],
-                               machine(), a.note, "How each figure is measured: benchmarks/cli_startup.py's docstring.")
+        sections.write_section(
+            a.markdown,
+            SECTION,
+            "benchmarks/cli_startup.py",
+            argv,
+            [title, "", *lines, ""],
+            machine(),
+            a.note,
+            "How each figure is measured: benchmarks/cli_startup.py's docstring.",
+        )
 
 
 if __name__ == "__main__":

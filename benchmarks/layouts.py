@@ -46,8 +46,12 @@ def layouts(world: int) -> dict[str, list[str]]:
                     parts.append(f"tp{tp}")
                 if pp > 1:
                     parts.append(f"pp{pp}")
-                over = [f"parallel.dp_replicate={rep}", f"parallel.dp_shard={shard}", f"parallel.tp={tp}",
-                        f"parallel.pp={pp}"]
+                over = [
+                    f"parallel.dp_replicate={rep}",
+                    f"parallel.dp_shard={shard}",
+                    f"parallel.tp={tp}",
+                    f"parallel.pp={pp}",
+                ]
                 if tp > 1:
                     over.append("parallel.sequence_parallel=true")
                 out["_".join(parts) or "single"] = over
@@ -55,9 +59,19 @@ def layouts(world: int) -> dict[str, list[str]]:
 
 
 def run(name: str, overrides: list[str], a, workdir: Path) -> dict:
-    base = [f"model.name={a.model}", f"train.steps={a.steps}", f"monitor.log_interval={a.log_every}",
-            f"data.seq_len={a.seq_len}", f"train.global_batch_size={a.global_batch}", "data.max_bytes=1000000",
-            "train.eval_interval=0", "train.eval_batches=1", "monitor.progress=false", f"run.name={name}", *a.set]
+    base = [
+        f"model.name={a.model}",
+        f"train.steps={a.steps}",
+        f"monitor.log_interval={a.log_every}",
+        f"data.seq_len={a.seq_len}",
+        f"train.global_batch_size={a.global_batch}",
+        "data.max_bytes=1000000",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        f"run.name={name}",
+        *a.set,
+    ]
     try:
         resolve_job(load_config(None, base + overrides), a.nproc)
     except ValueError as e:
@@ -70,9 +84,13 @@ def run(name: str, overrides: list[str], a, workdir: Path) -> dict:
     rows = [json.loads(x) for x in (workdir / "runs" / name / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
     step = statistics.median(times)
-    return {"layout": name, "overrides": " ".join(overrides), "step_time_s": step,
-            "tokens_per_s": a.global_batch * a.seq_len / step,
-            "final_loss": [r["loss"] for r in rows if "loss" in r][-1]}
+    return {
+        "layout": name,
+        "overrides": " ".join(overrides),
+        "step_time_s": step,
+        "tokens_per_s": a.global_batch * a.seq_len / step,
+        "final_loss": [r["loss"] for r in rows if "loss" in r][-1],
+    }
 
 
 def run_arguments(description: str) -> argparse.ArgumentParser:
@@ -115,13 +133,17 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the rows to this file")
     a = parse_run_arguments(ap)
     rows = [r for _, r in measured_runs(a)]
-    print(f"model {a.model}, {a.nproc} CPU ranks (gloo, fp32), {a.steps} steps x {a.global_batch} x {a.seq_len} "
-          f"tokens; median step over logging windows after the first")
+    print(
+        f"model {a.model}, {a.nproc} CPU ranks (gloo, fp32), {a.steps} steps x {a.global_batch} x {a.seq_len} "
+        f"tokens; median step over logging windows after the first"
+    )
     print(f"{'layout':<18}{'step (ms)':>11}{'tokens/s':>11}{'loss':>8}  overrides / why not")
     ok = sorted((r for r in rows if "step_time_s" in r), key=lambda r: r["step_time_s"])
     for r in ok:
-        print(f"{r['layout']:<18}{r['step_time_s'] * 1e3:>11.1f}{r['tokens_per_s']:>11,.0f}{r['final_loss']:>8.3f}  "
-              f"{r['overrides']}")
+        print(
+            f"{r['layout']:<18}{r['step_time_s'] * 1e3:>11.1f}{r['tokens_per_s']:>11,.0f}{r['final_loss']:>8.3f}  "
+            f"{r['overrides']}"
+        )
     for r in rows:
         if "step_time_s" not in r:
             print(f"{r['layout']:<18}{'-':>11}{'-':>11}{'-':>8}  {r.get('refused') or 'FAILED: ' + r['failed']}")

@@ -23,10 +23,24 @@ OFF = ["monitor.breakdown=false", "monitor.tensorboard=false", "monitor.sample_i
 
 
 def run(a, env, workdir: Path, monitor: list[str]) -> list[float]:
-    cmd = [sys.executable, "-m", "scaletrain.cli.main", "train", f"model.name={a.model}", f"train.steps={a.steps}",
-           f"monitor.log_interval={a.log_every}", f"data.seq_len={a.seq_len}",
-           f"train.global_batch_size={a.global_batch}", "data.max_bytes=1000000", "parallel.dp_replicate=2",
-           "train.eval_interval=0", "train.eval_batches=1", "monitor.progress=false", "run.name=bench", *monitor]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        f"model.name={a.model}",
+        f"train.steps={a.steps}",
+        f"monitor.log_interval={a.log_every}",
+        f"data.seq_len={a.seq_len}",
+        f"train.global_batch_size={a.global_batch}",
+        "data.max_bytes=1000000",
+        "parallel.dp_replicate=2",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        "run.name=bench",
+        *monitor,
+    ]
     subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, cwd=workdir)
     rows = [json.loads(x) for x in (workdir / "runs/bench/metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
@@ -75,14 +89,18 @@ def main() -> None:
             with_mon += run(a, env, Path(tmp), on)
     tokens = a.global_batch * a.seq_len
     p, s = statistics.median(off), statistics.median(with_mon)
-    print(f"model {a.model}, 2 CPU ranks (gloo, DDP), {a.steps} steps x {a.global_batch} x {a.seq_len} tokens, "
-          f"log every {a.log_every}, sampling every {a.sample_interval:g} s, {a.reps} alternating reps")
+    print(
+        f"model {a.model}, 2 CPU ranks (gloo, DDP), {a.steps} steps x {a.global_batch} x {a.seq_len} tokens, "
+        f"log every {a.log_every}, sampling every {a.sample_interval:g} s, {a.reps} alternating reps"
+    )
     print(f"{'monitor':<12}{'median step (ms)':>18}{'tokens/s':>12}{'ratio':>8}")
     print(f"{'off':<12}{p * 1e3:>18.1f}{tokens / p:>12,.0f}{1.0:>8.3f}")
     print(f"{'on':<12}{s * 1e3:>18.1f}{tokens / s:>12,.0f}{s / p:>8.3f}")
     c = per_step_cost_s(a.model)
-    print(f"per-step monitor work in process: {c * 1e6:.1f} us = {c / p:.5f} of the median step "
-          f"(ratio bound {1 + c / p:.4f}; log steps add one all-gather and a JSONL/TensorBoard write)")
+    print(
+        f"per-step monitor work in process: {c * 1e6:.1f} us = {c / p:.5f} of the median step "
+        f"(ratio bound {1 + c / p:.4f}; log steps add one all-gather and a JSONL/TensorBoard write)"
+    )
 
 
 if __name__ == "__main__":

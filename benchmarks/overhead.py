@@ -19,19 +19,50 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_plain(a, env) -> list[float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", str(HERE / "plain_ddp.py"), "--model", a.model, "--steps",
-           str(a.steps), "--log-every", str(a.log_every), "--seq-len", str(a.seq_len), "--global-batch",
-           str(a.global_batch)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(HERE / "plain_ddp.py"),
+        "--model",
+        a.model,
+        "--steps",
+        str(a.steps),
+        "--log-every",
+        str(a.log_every),
+        "--seq-len",
+        str(a.seq_len),
+        "--global-batch",
+        str(a.global_batch),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["window_step_time_s"][1:]
 
 
 def run_scaletrain(a, env, workdir: Path) -> list[float]:
-    cmd = [sys.executable, "-m", "scaletrain.cli.main", "train", f"model.name={a.model}", f"train.steps={a.steps}",
-           f"monitor.log_interval={a.log_every}", f"data.seq_len={a.seq_len}",
-           f"train.global_batch_size={a.global_batch}", "data.max_bytes=1000000", "parallel.dp_replicate=2",
-           "train.eval_interval=0", "train.eval_batches=1", "monitor.progress=false", "run.name=bench"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        f"model.name={a.model}",
+        f"train.steps={a.steps}",
+        f"monitor.log_interval={a.log_every}",
+        f"data.seq_len={a.seq_len}",
+        f"train.global_batch_size={a.global_batch}",
+        "data.max_bytes=1000000",
+        "parallel.dp_replicate=2",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        "run.name=bench",
+    ]
     subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, cwd=workdir)
     rows = [json.loads(x) for x in (workdir / "runs/bench/metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
@@ -56,8 +87,10 @@ def main() -> None:
             ours += run_scaletrain(a, env, Path(tmp))
     tokens = a.global_batch * a.seq_len
     p, s = statistics.median(plain), statistics.median(ours)
-    print(f"model {a.model}, 2 CPU ranks (gloo, DDP), {a.steps} steps x {a.global_batch} x {a.seq_len} tokens, "
-          f"{a.reps} alternating reps")
+    print(
+        f"model {a.model}, 2 CPU ranks (gloo, DDP), {a.steps} steps x {a.global_batch} x {a.seq_len} tokens, "
+        f"{a.reps} alternating reps"
+    )
     print(f"{'runner':<12}{'median step (ms)':>18}{'tokens/s':>12}{'ratio':>8}")
     print(f"{'plain torch':<12}{p * 1e3:>18.1f}{tokens / p:>12,.0f}{1.0:>8.3f}")
     print(f"{'scaletrain':<12}{s * 1e3:>18.1f}{tokens / s:>12,.0f}{s / p:>8.3f}")

@@ -65,25 +65,67 @@ def tool(name: str) -> str:
 
 
 def job_flags(a) -> list[str]:
-    flags = ["--model", a.model, "--steps", str(a.steps), "--log-every", str(a.log_every), "--seq-len",
-             str(a.seq_len), "--global-batch", str(a.global_batch), "--max-bytes", str(a.max_bytes), "--device",
-             a.device, "--dtype", a.dtype]
+    flags = [
+        "--model",
+        a.model,
+        "--steps",
+        str(a.steps),
+        "--log-every",
+        str(a.log_every),
+        "--seq-len",
+        str(a.seq_len),
+        "--global-batch",
+        str(a.global_batch),
+        "--max-bytes",
+        str(a.max_bytes),
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+    ]
     return flags + (["--compile"] if a.compile else [])
 
 
 def command(name: str, a) -> list[str]:
     n = str(a.nproc)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", n, "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", "127.0.0.1:0"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        n,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+    ]
     if name.startswith("scaletrain"):
-        layout = [f"parallel.dp_replicate={n}", "parallel.dp_shard=1"] if name.endswith("ddp") else \
-            ["parallel.dp_replicate=1", f"parallel.dp_shard={n}"]
-        return [sys.executable, "-m", "scaletrain.cli.main", "train", f"model.name={a.model}",
-                f"train.steps={a.steps}", f"monitor.log_interval={a.log_every}", f"data.seq_len={a.seq_len}",
-                f"train.global_batch_size={a.global_batch}", f"data.max_bytes={a.max_bytes}",
-                f"launch.nproc_per_node={n}", f"run.device={a.device}", f"precision.dtype={a.dtype}",
-                f"parallel.compile={str(a.compile).lower()}", "train.eval_interval=0", "train.eval_batches=1",
-                "monitor.progress=false", "run.name=bench", *layout]
+        layout = (
+            [f"parallel.dp_replicate={n}", "parallel.dp_shard=1"]
+            if name.endswith("ddp")
+            else ["parallel.dp_replicate=1", f"parallel.dp_shard={n}"]
+        )
+        return [
+            sys.executable,
+            "-m",
+            "scaletrain.cli.main",
+            "train",
+            f"model.name={a.model}",
+            f"train.steps={a.steps}",
+            f"monitor.log_interval={a.log_every}",
+            f"data.seq_len={a.seq_len}",
+            f"train.global_batch_size={a.global_batch}",
+            f"data.max_bytes={a.max_bytes}",
+            f"launch.nproc_per_node={n}",
+            f"run.device={a.device}",
+            f"precision.dtype={a.dtype}",
+            f"parallel.compile={str(a.compile).lower()}",
+            "train.eval_interval=0",
+            "train.eval_batches=1",
+            "monitor.progress=false",
+            "run.name=bench",
+            *layout,
+        ]
     if name == "torch-ddp":
         return [*torchrun, str(HERE / "plain_ddp.py"), *job_flags(a)]
     if name == "torch-fsdp2":
@@ -91,12 +133,38 @@ def command(name: str, a) -> list[str]:
     if name == "accelerate-ddp":
         # --multi_gpu is Accelerate's torchrun path; the script passes cpu=True, so the ranks use gloo on CPU
         # (`--cpu --num_processes 2` starts a single process: Accelerate's multi-CPU launch needs mpirun)
-        return [tool("accelerate"), "launch", "--multi_gpu", "--num_processes", n, "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                str(HERE / "peer_accelerate.py"), *job_flags(a)]
+        return [
+            tool("accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            n,
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(HERE / "peer_accelerate.py"),
+            *job_flags(a),
+        ]
     if name == "fabric-ddp":
-        return [tool("fabric"), "run", "--accelerator", a.device, "--devices", n, "--strategy", "ddp",
-                "--main-port", str(free_port()), str(HERE / "peer_fabric.py"), *job_flags(a)]
+        return [
+            tool("fabric"),
+            "run",
+            "--accelerator",
+            a.device,
+            "--devices",
+            n,
+            "--strategy",
+            "ddp",
+            "--main-port",
+            str(free_port()),
+            str(HERE / "peer_fabric.py"),
+            *job_flags(a),
+        ]
     raise ValueError(f"--runners: unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
 
 
@@ -120,10 +188,13 @@ def read_probe(folder: Path, launched_unix: float, log_every: int, nproc: int) -
     if len(ranks) != nproc:
         raise RuntimeError(f"probe: {len(ranks)} rank record(s) in {folder}, expected {nproc}")
     t = [s[0] for s in ranks[0][2]]
-    windows = [(t[(j + 1) * log_every - 1] - t[j * log_every - 1]) / log_every
-               for j in range(1, len(t) // log_every)]
-    return Run(windows, max(h["first_step_unix"] for _, h, _ in ranks) - launched_unix,
-               [s[-1][1] / 1024 for _, _, s in ranks], {h["threads"] for _, h, _ in ranks})
+    windows = [(t[(j + 1) * log_every - 1] - t[j * log_every - 1]) / log_every for j in range(1, len(t) // log_every)]
+    return Run(
+        windows,
+        max(h["first_step_unix"] for _, h, _ in ranks) - launched_unix,
+        [s[-1][1] / 1024 for _, _, s in ranks],
+        {h["threads"] for _, h, _ in ranks},
+    )
 
 
 def _steps_done(probe: Path, steps: int, nproc: int) -> bool:
@@ -142,8 +213,9 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         launched = time.time()
-        proc = subprocess.Popen(command(name, a), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command(name, a), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
+        )
         done_at = None
         while proc.poll() is None:
             time.sleep(0.2)
@@ -159,8 +231,9 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
         except ProcessLookupError:
             pass
     if not _steps_done(probe, a.steps, a.nproc) or (done_at is None and proc.returncode != 0):
-        raise RuntimeError(f"{name} exited {proc.returncode} before its last step; last output:\n"
-                           f"{log.read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{name} exited {proc.returncode} before its last step; last output:\n{log.read_text()[-3000:]}"
+        )
     run = read_probe(probe, launched, a.log_every, a.nproc)
     run.stopped_in_teardown = proc.returncode != 0
     if a.cprofile:  # the probe folder goes with the work folder: keep rank 0's profile
@@ -208,8 +281,10 @@ def mfu(a, step_s: float) -> float | None:
 def table(rows: list[Row], a) -> list[str]:
     ref = {RUNNERS[r.name][0]: r for r in rows if r.name.startswith("scaletrain")}
     tokens = a.global_batch * a.seq_len
-    head = "| runner | median step (ms) | tokens/s | start-up to step 1 (s) | peak RSS / rank (MiB) | " \
-           "scaletrain ÷ runner (step time) | each rep | target |"
+    head = (
+        "| runner | median step (ms) | tokens/s | start-up to step 1 (s) | peak RSS / rank (MiB) | "
+        "scaletrain ÷ runner (step time) | each rep | target |"
+    )
     if a.device == "cuda":
         head = head.replace(" | scaletrain", " | MFU | scaletrain")
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
@@ -217,11 +292,21 @@ def table(rows: list[Row], a) -> list[str]:
         s = ref.get(RUNNERS[r.name][0])
         ratio = "—" if r.name.startswith("scaletrain") or s is None else f"{s.step_s / r.step_s:.3f}"
         # the runs of one rep are back to back: their ratio is free of the drift between reps
-        paired = "" if ratio == "—" else " ".join(f"{statistics.median(x.windows) / statistics.median(y.windows):.2f}"
-                                                  for x, y in zip(s.runs, r.runs))
+        paired = (
+            ""
+            if ratio == "—"
+            else " ".join(
+                f"{statistics.median(x.windows) / statistics.median(y.windows):.2f}" for x, y in zip(s.runs, r.runs)
+            )
+        )
         target = f"≤ {TARGET[r.name]:.2f}" if r.name in TARGET and s is not None else ""
-        cells = [r.name, f"{r.step_s * 1e3:.1f}", f"{tokens / r.step_s:,.0f}", f"{r.startup_s:.1f}",
-                 f"{r.rss_mib:,.0f}"]
+        cells = [
+            r.name,
+            f"{r.step_s * 1e3:.1f}",
+            f"{tokens / r.step_s:,.0f}",
+            f"{r.startup_s:.1f}",
+            f"{r.rss_mib:,.0f}",
+        ]
         if a.device == "cuda":
             m = mfu(a, r.step_s)
             cells.append("n/a" if m is None else f"{m:.1%}")
@@ -230,16 +315,28 @@ def table(rows: list[Row], a) -> list[str]:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
     versions = []
     for pkg in ("torch", "accelerate", "lightning-fabric"):
         try:
             versions.append(f"{pkg} {importlib.metadata.version(pkg)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{pkg} not installed")
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), Python " \
-           f"{platform.python_version()}, {', '.join(versions)}"
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores ({cpu}), Python "
+        f"{platform.python_version()}, {', '.join(versions)}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -258,9 +355,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     ap.add_argument("--markdown", type=Path, help="also write the report (table, date, machine, command) here")
     ap.add_argument("--note", default="", help="a line for the report, e.g. what else ran on the machine")
-    ap.add_argument("--cprofile", metavar="A:B", help="cProfile every rank's main thread from the end of step A "
-                    "to the end of step B; rank 0's .pstats go to --profile-dir and the top functions per step are "
-                    "printed per runner (profiled steps are slower: read the profile, not the table)")
+    ap.add_argument(
+        "--cprofile",
+        metavar="A:B",
+        help="cProfile every rank's main thread from the end of step A "
+        "to the end of step B; rank 0's .pstats go to --profile-dir and the top functions per step are "
+        "printed per runner (profiled steps are slower: read the profile, not the table)",
+    )
     ap.add_argument("--profile-dir", type=Path, default=Path("peers-profile"), help="where --cprofile writes")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
@@ -310,13 +411,17 @@ def print_profiles(rows: dict, a, top: int = 15) -> None:
         stats.dump_stats(merged)
         per_step = 1e3 / ((stop - start) * len(files))
         entries = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-        print(f"\n{name}: rank 0, steps {start + 1}-{stop}, {len(files)} rep(s), own time ms/step "
-              f"(full profile: python -m pstats {merged})")
+        print(
+            f"\n{name}: rank 0, steps {start + 1}-{stop}, {len(files)} rep(s), own time ms/step "
+            f"(full profile: python -m pstats {merged})"
+        )
         for (path, line, func), (_, calls, tottime, cumtime, _) in entries:
             where = f"{Path(path).name}:{line}" if line else path
             calls_per_step = calls / (len(files) * (stop - start))
-            print(f"  {tottime * per_step:8.2f}  {cumtime * per_step:8.2f} cum  {calls_per_step:7.1f}/step  {func}  "
-                  f"{where}")
+            print(
+                f"  {tottime * per_step:8.2f}  {cumtime * per_step:8.2f} cum  {calls_per_step:7.1f}/step  {func}  "
+                f"{where}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -332,9 +437,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"rep {rep + 1}/{a.reps}: {name}", file=sys.stderr, flush=True)
                 rows[name].runs.append(run_once(name, a, Path(tmp), env))
     threads = sorted({t for r in rows.values() for run in r.runs for t in run.threads})
-    title = f"model {a.model}, {a.nproc} {a.device.upper()} ranks ({'nccl' if a.device == 'cuda' else 'gloo'}), " \
-            f"{a.dtype}{', torch.compile' if a.compile else ''}, {a.steps} steps x {a.global_batch} x " \
-            f"{a.seq_len} tokens, {a.reps} alternating reps, intra-op threads per rank {threads}"
+    title = (
+        f"model {a.model}, {a.nproc} {a.device.upper()} ranks ({'nccl' if a.device == 'cuda' else 'gloo'}), "
+        f"{a.dtype}{', torch.compile' if a.compile else ''}, {a.steps} steps x {a.global_batch} x "
+        f"{a.seq_len} tokens, {a.reps} alternating reps, intra-op threads per rank {threads}"
+    )
     stopped = sum(run.stopped_in_teardown for r in rows.values() for run in r.runs)
     if stopped:
         title += f"; {stopped} run(s) stopped after their last step, hung in process-group teardown"
@@ -351,11 +458,17 @@ def write_report(path: Path, title: str, lines: list[str], a, argv: list[str] | 
     args = sys.argv[1:] if argv is None else argv
     cmd = shlex.join(["python", "benchmarks/peers.py", *args])
     text = [
-        "# Benchmarks: scaletrain against the peers a user would pick instead", "",
-        f"Latest run: {datetime.date.today().isoformat()}, produced by `{cmd}`.", "",
-        f"Machine: {machine()}.", "",
+        "# Benchmarks: scaletrain against the peers a user would pick instead",
+        "",
+        f"Latest run: {datetime.date.today().isoformat()}, produced by `{cmd}`.",
+        "",
+        f"Machine: {machine()}.",
+        "",
         *([a.note, ""] if a.note else []),
-        f"{title}.", "", *lines, "",
+        f"{title}.",
+        "",
+        *lines,
+        "",
         "How each figure is measured (benchmarks/README.md has the details): one probe, loaded into every process "
         "of every runner (benchmarks/probe/sitecustomize.py), times the end of each optimizer step; **step time** "
         f"is the mean of each {a.log_every}-step window on rank 0, the first window dropped as warm-up, median "
@@ -364,11 +477,12 @@ def write_report(path: Path, title: str, lines: list[str], a, argv: list[str] | 
         "reps); **peak RSS / rank** is the largest ru_maxrss of the rank processes (median of reps). "
         "**scaletrain ÷ runner** divides scaletrain's step time (same strategy) by the runner's: below 1 means "
         "scaletrain is faster; **each rep** gives the same ratio for every rep alone (its two runs were back to "
-        "back), which shows how far the machine drifts between reps.", "",
+        "back), which shows how far the machine drifts between reps.",
+        "",
     ]
     # hand-written notes (evidence for a ratio, a peer that could not run) survive a rerun
     old = path.read_text() if path.exists() else ""
-    notes = old[old.index(NOTES):] if NOTES in old else ""
+    notes = old[old.index(NOTES) :] if NOTES in old else ""
     path.write_text("\n".join(text) + ("\n" + notes if notes else ""))
 
 

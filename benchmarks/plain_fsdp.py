@@ -28,8 +28,11 @@ def main() -> None:
     device = torch.device(a.device, torch.cuda.current_device()) if a.device == "cuda" else torch.device("cpu")
     spec = model_spec(ModelConfig(name=a.model))
     model = spec.build("meta")
-    mp = MixedPrecisionPolicy() if a.dtype == "fp32" else \
-        MixedPrecisionPolicy(param_dtype=DTYPES[a.dtype], reduce_dtype=torch.float32)
+    mp = (
+        MixedPrecisionPolicy()
+        if a.dtype == "fp32"
+        else MixedPrecisionPolicy(param_dtype=DTYPES[a.dtype], reduce_dtype=torch.float32)
+    )
     for block in model.layers.values():
         if a.compile:
             block.compile(fullgraph=True)

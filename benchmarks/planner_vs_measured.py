@@ -46,17 +46,22 @@ def main() -> None:
             rows.append(r)
     if not rows:
         sys.exit("no layout ran")
-    print(f"model {a.model}, {a.nproc} CPU ranks, {a.steps} steps x {a.global_batch} x {a.seq_len} tokens; planner "
-          f"on {cluster.gpu.name}" + (f" ({cluster.calibration_note})" if cluster.calibration_note else
-                                      " (catalog placeholders)"))
+    print(
+        f"model {a.model}, {a.nproc} CPU ranks, {a.steps} steps x {a.global_batch} x {a.seq_len} tokens; planner "
+        f"on {cluster.gpu.name}"
+        + (f" ({cluster.calibration_note})" if cluster.calibration_note else " (catalog placeholders)")
+    )
     by_pred = sorted(rows, key=lambda r: r["predicted_s"])
     print(f"{'layout':<14}{'measured ms':>12}{'predicted ms':>13}{'rank meas.':>11}{'rank pred.':>11}")
     for i, r in enumerate(sorted(rows, key=lambda r: r["step_time_s"]), 1):
-        print(f"{r['layout']:<14}{r['step_time_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}{i:>11}"
-              f"{by_pred.index(r) + 1:>11}")
+        print(
+            f"{r['layout']:<14}{r['step_time_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}{i:>11}"
+            f"{by_pred.index(r) + 1:>11}"
+        )
     fastest = min(rows, key=lambda r: r["step_time_s"])
-    print(f"measured-fastest {fastest['layout']} is #{by_pred.index(fastest) + 1} of {len(rows)} in the planner's "
-          f"ranking")
+    print(
+        f"measured-fastest {fastest['layout']} is #{by_pred.index(fastest) + 1} of {len(rows)} in the planner's ranking"
+    )
 
 
 if __name__ == "__main__":

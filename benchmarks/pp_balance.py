@@ -51,18 +51,23 @@ def main() -> None:
     model = spec.build("cpu")
     spec.init_weights(model, seed=0)
     costs = spec.layer_costs(a.seq_len)
-    print(f"model {a.model} with vocabulary {a.vocab}: {args.n_layers} layers into {a.stages} stages; "
-          f"micro-batch {a.micro_batch} x {a.seq_len} tokens, 1 thread")
-    print(f"{'split':<10}{'layers per stage':<22}{'model GFLOP/stage':<26}{'measured ms/stage':<24}"
-          f"{'slowest (model, ms)'}")
+    print(
+        f"model {a.model} with vocabulary {a.vocab}: {args.n_layers} layers into {a.stages} stages; "
+        f"micro-batch {a.micro_batch} x {a.seq_len} tokens, 1 thread"
+    )
+    print(
+        f"{'split':<10}{'layers per stage':<22}{'model GFLOP/stage':<26}{'measured ms/stage':<24}"
+        f"{'slowest (model, ms)'}"
+    )
     for balance in ("layers", "cost"):
         bounds = split_layers(costs, a.stages, balance)
         model_cost = [c * a.micro_batch * a.seq_len / 1e9 for c in stage_costs(costs, bounds)]
-        ms = [measure(spec.stage(model, s, a.stages, b), s, a.stages, args, a) * 1e3
-              for s, b in enumerate(bounds)]
-        print(f"{balance:<10}{' '.join(f'{x}-{y - 1}' for x, y in bounds):<22}"
-              f"{' '.join(f'{c:.2f}' for c in model_cost):<26}{' '.join(f'{t:.1f}' for t in ms):<24}"
-              f"{max(model_cost):.2f}, {max(ms):.1f}")
+        ms = [measure(spec.stage(model, s, a.stages, b), s, a.stages, args, a) * 1e3 for s, b in enumerate(bounds)]
+        print(
+            f"{balance:<10}{' '.join(f'{x}-{y - 1}' for x, y in bounds):<22}"
+            f"{' '.join(f'{c:.2f}' for c in model_cost):<26}{' '.join(f'{t:.1f}' for t in ms):<24}"
+            f"{max(model_cost):.2f}, {max(ms):.1f}"
+        )
 
 
 if __name__ == "__main__":

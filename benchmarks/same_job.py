@@ -45,8 +45,9 @@ def model_on(a: argparse.Namespace, device: torch.device | str):
 def loader_for(a: argparse.Namespace, rank: int, world: int) -> DistributedLoader:
     """This rank's share of each global batch, from the same token stream and order as scaletrain's."""
     tokens, _ = split_stream(load_tokens(DataConfig(seq_len=a.seq_len, max_bytes=a.max_bytes), 256, 0), 0.05)
-    return DistributedLoader(TokenWindows(tokens, a.seq_len), a.global_batch, a.global_batch // world, rank, world,
-                             seed=0)
+    return DistributedLoader(
+        TokenWindows(tokens, a.seq_len), a.global_batch, a.global_batch // world, rank, world, seed=0
+    )
 
 
 def adamw(params) -> torch.optim.AdamW:

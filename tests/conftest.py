@@ -12,15 +12,30 @@ import pytest
 from scaletrain.monitor import read_jsonl
 
 # A small, fast job: tiny model, 300 kB of stdlib text, short sequences, a loss every step.
-FAST = ["train.steps=10", "monitor.log_interval=1", "train.global_batch_size=16", "data.seq_len=64",
-        "train.eval_batches=1", "data.max_bytes=300000", "train.warmup_steps=2", "monitor.progress=false"]
+FAST = [
+    "train.steps=10",
+    "monitor.log_interval=1",
+    "train.global_batch_size=16",
+    "data.seq_len=64",
+    "train.eval_batches=1",
+    "data.max_bytes=300000",
+    "train.warmup_steps=2",
+    "monitor.progress=false",
+]
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 600, check: bool = True,
-            env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], cwd: Path, timeout: float = 600, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "scaletrain.cli.main", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaletrain.cli.main", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"scaletrain {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc

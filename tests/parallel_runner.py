@@ -24,8 +24,7 @@ from scaletrain.train import Trainer
 
 def run_job(overrides: list[str], out: Path, rt) -> None:
     trainer = Trainer.build(load_config(None, overrides), rt)
-    losses = [trainer.mean_loss(trainer.train_step(step).loss_sum)
-              for step in range(1, trainer.cfg.train.steps + 1)]
+    losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
     out.mkdir(parents=True, exist_ok=True)
     tp_rank = trainer.mesh["tp"].get_local_rank() if trainer.dims.tp > 1 else 0

@@ -10,8 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_overhead_benchmark_runs():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/overhead.py"), "--reps", "1", "--steps", "2",
-                           "--log-every", "1"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/overhead.py"), "--reps", "1", "--steps", "2", "--log-every", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plain torch" in proc.stdout and "scaletrain" in proc.stdout
 
@@ -20,11 +24,21 @@ def test_cli_startup_benchmark_runs(tmp_path):
     """One rep of every command; the table has a row for each and the report lands in its own section."""
     report = tmp_path / "BENCHMARKS.md"
     report.write_text("# Benchmarks\n\n## Notes\n\nhand-written\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/cli_startup.py"), "--reps", "1", "--markdown",
-                           str(report)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/cli_startup.py"), "--reps", "1", "--markdown", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for row in ("python -c pass", 'python -c "import torch"', "scaletrain --help", "scaletrain models",
-                "scaletrain ckpt ls RUN", "scaletrain plan --model llama-8b --gpus 8"):
+    for row in (
+        "python -c pass",
+        'python -c "import torch"',
+        "scaletrain --help",
+        "scaletrain models",
+        "scaletrain ckpt ls RUN",
+        "scaletrain plan --model llama-8b --gpus 8",
+    ):
         assert f"| `{row}` |" in proc.stdout
     text = report.read_text()
     assert text.startswith("# Benchmarks\n\n## Notes\n\nhand-written\n")
@@ -35,9 +49,27 @@ def test_cli_startup_benchmark_runs(tmp_path):
 def test_peers_benchmark_runs(tmp_path):
     """Every runner (scaletrain DDP/FSDP, torch DDP/FSDP2, Accelerate, Fabric) trains 2 steps and the report renders."""
     report = tmp_path / "BENCHMARKS.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers.py"), "--reps", "1", "--steps", "2",
-                           "--log-every", "1", "--markdown", str(report), "--cprofile", "1:2", "--profile-dir",
-                           str(tmp_path / "prof")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/peers.py"),
+            "--reps",
+            "1",
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--markdown",
+            str(report),
+            "--cprofile",
+            "1:2",
+            "--profile-dir",
+            str(tmp_path / "prof"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for runner in ("scaletrain-ddp", "torch-ddp", "accelerate-ddp", "fabric-ddp", "scaletrain-fsdp", "torch-fsdp2"):
         assert f"| {runner} |" in proc.stdout
@@ -52,9 +84,27 @@ def test_checkpoint_benchmark_runs(tmp_path):
     report = tmp_path / "BENCHMARKS.md"
     report.write_text("# Benchmarks\n\n## Notes\n\nhand-written\n")
     tiny = "tiny:dim=64:n_layers=1"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/checkpoint.py"), "--models", tiny, "--reps", "1",
-                           "--recovery-model", tiny, "--interval", "2", "--kill-at", "5", "--markdown", str(report)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/checkpoint.py"),
+            "--models",
+            tiny,
+            "--reps",
+            "1",
+            "--recovery-model",
+            tiny,
+            "--interval",
+            "2",
+            "--kill-at",
+            "5",
+            "--markdown",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
 

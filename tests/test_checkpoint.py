@@ -19,14 +19,29 @@ from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.monitor import read_jsonl
 
 STEPS = 60
-JOB = [f"train.steps={STEPS}", "monitor.log_interval=1", "train.global_batch_size=16", "data.seq_len=128",
-       "train.eval_batches=1", "train.eval_interval=0", "data.max_bytes=300000", "train.warmup_steps=5",
-       "monitor.progress=false", "checkpoint.interval_steps=10", "checkpoint.save_final=true"]
+JOB = [
+    f"train.steps={STEPS}",
+    "monitor.log_interval=1",
+    "train.global_batch_size=16",
+    "data.seq_len=128",
+    "train.eval_batches=1",
+    "train.eval_interval=0",
+    "data.max_bytes=300000",
+    "train.warmup_steps=5",
+    "monitor.progress=false",
+    "checkpoint.interval_steps=10",
+    "checkpoint.save_final=true",
+]
 
 
 def _start(args, cwd):
-    return subprocess.Popen([sys.executable, "-m", "scaletrain.cli.main", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaletrain.cli.main", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_step(run: Path, step: int, proc, timeout=240.0) -> int:
@@ -82,8 +97,10 @@ def test_sigkill_of_a_rank_recovers_bit_identical(clean):
     assert proc.returncode == 0, err[-3000:]
     assert "resumed from" in err, err[-3000:]
     # one line for the kill, pointing at the rank's log; no torch elastic traceback
-    assert "scaletrain: restarting the worker group (restart 1 of 2) after a failure on rank 1 (exit -9, killed " \
-           "by SIGKILL); full log: runs/killed/logs/rank1.log" in err, err[-3000:]
+    assert (
+        "scaletrain: restarting the worker group (restart 1 of 2) after a failure on rank 1 (exit -9, killed "
+        "by SIGKILL); full log: runs/killed/logs/rank1.log" in err
+    ), err[-3000:]
     assert "Traceback" not in err and "ProcessExitedException" not in err, err[-3000:]
     assert reached < STEPS
     got, want = _final_weights(cwd / "runs/killed"), _final_weights(ref)
@@ -135,8 +152,10 @@ def _plant_pickle(ckpt: Path, marker: Path) -> None:
     meta.planner_data = _Payload(marker)
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][".metadata"] = {"bytes": (ckpt / ".metadata").stat().st_size,
-                                      "sha256": sha256_file(ckpt / ".metadata")}
+    manifest["files"][".metadata"] = {
+        "bytes": (ckpt / ".metadata").stat().st_size,
+        "sha256": sha256_file(ckpt / ".metadata"),
+    }
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -162,8 +181,9 @@ def test_corrupt_and_crafted_checkpoints_are_refused_and_work_is_not_lost(clean)
     proc = run_cli(["ckpt", "verify", str(run)], cwd, check=False)
     assert proc.returncode == 1
     assert f"step_{STEPS:08d}: BAD: {shard.name} fails its sha256 checksum" in proc.stdout
-    assert f"step_{STEPS - 10:08d}: BAD: step_{STEPS - 10:08d}/.metadata: refuses to unpickle posix.system" \
-        in proc.stdout, proc.stdout
+    assert (
+        f"step_{STEPS - 10:08d}: BAD: step_{STEPS - 10:08d}/.metadata: refuses to unpickle posix.system" in proc.stdout
+    ), proc.stdout
     listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
     assert "incomplete" in listing and "sizes ok, not verified" in listing
     listing = run_cli(["ckpt", "ls", "--verify", str(run)], cwd).stdout
@@ -180,7 +200,7 @@ def test_corrupt_and_crafted_checkpoints_are_refused_and_work_is_not_lost(clean)
     assert f"step_{STEPS - 20:08d} at step {STEPS - 20}" in proc.stderr
     assert not marker.exists()
     assert not (ckpts / f"step_{STEPS + 10:08d}.partial").exists()
-    assert losses(run) == losses(ref)[STEPS - 20:]  # only the replayed steps were logged in this run
+    assert losses(run) == losses(ref)[STEPS - 20 :]  # only the replayed steps were logged in this run
     # the retrained steps were saved again: the newest checkpoint verifies and holds the clean run's weights
     assert run_cli(["ckpt", "verify", str(newest)], cwd).stdout.strip() == f"step_{STEPS:08d}: ok"
     assert {p.name.split(".")[0] for p in ckpts.glob("*.corrupt-*")} == {newest.name, crafted.name}
@@ -210,17 +230,39 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
         torch.testing.assert_close(hf(tokens).logits, ours(tokens), atol=1e-4, rtol=1e-4)
 
     # start a new run from the exported Hugging Face weights: the first loss is that of a trained model
-    proc = run_cli(["train", "train.steps=2", "data.seq_len=128", "data.max_bytes=300000", "monitor.log_interval=1",
-                    "train.eval_batches=1", "run.name=imported", f"checkpoint.init_from_hf={out}",
-                    "--nproc-per-node", "1"], cwd)
+    proc = run_cli(
+        [
+            "train",
+            "train.steps=2",
+            "data.seq_len=128",
+            "data.max_bytes=300000",
+            "monitor.log_interval=1",
+            "train.eval_batches=1",
+            "run.name=imported",
+            f"checkpoint.init_from_hf={out}",
+            "--nproc-per-node",
+            "1",
+        ],
+        cwd,
+    )
     assert "initial weights from Hugging Face" in proc.stderr
     assert losses(cwd / "runs/imported")[0] < losses(ref)[0] - 1.0
 
 
 def test_non_finite_loss_stops_or_skips(tmp_path):
-    base = ["train", "train.steps=6", "data.seq_len=64", "data.max_bytes=300000", "monitor.log_interval=1",
-            "train.eval_batches=1", "train.lr=1e30", "train.warmup_steps=0", "train.grad_clip=0",
-            "--nproc-per-node", "1"]
+    base = [
+        "train",
+        "train.steps=6",
+        "data.seq_len=64",
+        "data.max_bytes=300000",
+        "monitor.log_interval=1",
+        "train.eval_batches=1",
+        "train.lr=1e30",
+        "train.warmup_steps=0",
+        "train.grad_clip=0",
+        "--nproc-per-node",
+        "1",
+    ]
     proc = run_cli([*base, "run.name=stop"], tmp_path, check=False)
     assert proc.returncode == 1
     # one line naming what was not finite, with the rank's log (which keeps the traceback); no tracebacks here
@@ -230,8 +272,9 @@ def test_non_finite_loss_stops_or_skips(tmp_path):
     assert last.endswith("; full log: runs/stop/logs/rank0.log"), last
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "Traceback" in (tmp_path / "runs/stop/logs/rank0.log").read_text()
-    proc = run_cli([*base, "run.name=skip", "train.nan_policy=skip", "train.max_skipped_steps=2"], tmp_path,
-                   check=False)
+    proc = run_cli(
+        [*base, "run.name=skip", "train.nan_policy=skip", "train.max_skipped_steps=2"], tmp_path, check=False
+    )
     assert proc.returncode == 1
     warning = next(line for line in proc.stderr.splitlines() if "update skipped (1/2)" in line)
     # the loss of step 1 is finite and its gradient norm is not: the warning says which, with both values

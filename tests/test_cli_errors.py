@@ -8,41 +8,43 @@ from conftest import run_cli
 from scaletrain.cli.main import main
 
 BAD = [
-    (["model.foo=1"], "model.foo"),                                   # unknown key
-    (["nosuch.key=1"], "nosuch"),                                     # unknown section
-    (["train.steps=abc"], "train.steps"),                             # wrong type
-    (["train.steps=1.5"], "train.steps"),                             # float for an int
-    (["train.lr=-0.1"], "train.lr"),                                  # negative lr
-    (["model.name=gpt-9"], "model.name"),                             # unknown model
-    (["model.n_heads=3"], "model.dim"),                               # heads do not divide the hidden size
-    (["model.vocab_size=100"], "model.vocab_size"),                   # too small for byte tokens
-    (["parallel.dp_replicate=3"], "parallel"),                        # dp degree does not divide world size 2
-    (["parallel.dp_shard=4"], "parallel"),                            # degrees multiply to 4, world is 2
-    (["train.global_batch_size=15"], "train.global_batch_size"),      # not divisible by dp=2
-    (["train.micro_batch_size=3"], "train.micro_batch_size"),         # 8 per rank do not split into 3s
-    (["data.seq_len=100000"], "data.seq_len"),                        # longer than the model's context
-    (["data.source=tokens"], "data.path"),                            # token source without a file
+    (["model.foo=1"], "model.foo"),  # unknown key
+    (["nosuch.key=1"], "nosuch"),  # unknown section
+    (["train.steps=abc"], "train.steps"),  # wrong type
+    (["train.steps=1.5"], "train.steps"),  # float for an int
+    (["train.lr=-0.1"], "train.lr"),  # negative lr
+    (["model.name=gpt-9"], "model.name"),  # unknown model
+    (["model.n_heads=3"], "model.dim"),  # heads do not divide the hidden size
+    (["model.vocab_size=100"], "model.vocab_size"),  # too small for byte tokens
+    (["parallel.dp_replicate=3"], "parallel"),  # dp degree does not divide world size 2
+    (["parallel.dp_shard=4"], "parallel"),  # degrees multiply to 4, world is 2
+    (["train.global_batch_size=15"], "train.global_batch_size"),  # not divisible by dp=2
+    (["train.micro_batch_size=3"], "train.micro_batch_size"),  # 8 per rank do not split into 3s
+    (["data.seq_len=100000"], "data.seq_len"),  # longer than the model's context
+    (["data.source=tokens"], "data.path"),  # token source without a file
     (["data.source=tokens", "data.path=/no/such/tokens.bin"], "data.path"),  # missing data file
-    (["data.val_fraction=0.9"], "data.val_fraction"),                 # out of range
-    (["precision.dtype=fp7"], "precision.dtype"),                     # unknown dtype
-    (["run.device=cuda"], "run.device"),                              # no GPU on this host
-    (["missing.toml"], "config file"),                                # missing config file
-    (["train.steps=0"], "train.steps"),                               # zero steps
-    (["launch.nnodes=2"], "launch.rdzv_endpoint"),                    # multi-node without a rendezvous host
+    (["data.val_fraction=0.9"], "data.val_fraction"),  # out of range
+    (["precision.dtype=fp7"], "precision.dtype"),  # unknown dtype
+    (["run.device=cuda"], "run.device"),  # no GPU on this host
+    (["missing.toml"], "config file"),  # missing config file
+    (["train.steps=0"], "train.steps"),  # zero steps
+    (["launch.nnodes=2"], "launch.rdzv_endpoint"),  # multi-node without a rendezvous host
     (["launch.nnodes=2", "launch.rdzv_endpoint=localhost:29500"], "launch.rdzv_endpoint"),  # other nodes can't reach
-    (["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29500", "launch.local_addr=203.0.113.7"],
-     "launch.local_addr"),                                            # not an address of this host
-    (["launch.rdzv_endpoint=29500"], "launch.rdzv_endpoint"),         # not host:port
+    (
+        ["launch.nnodes=2", "launch.rdzv_endpoint=127.0.0.1:29500", "launch.local_addr=203.0.113.7"],
+        "launch.local_addr",
+    ),  # not an address of this host
+    (["launch.rdzv_endpoint=29500"], "launch.rdzv_endpoint"),  # not host:port
     (["launch.rdzv_endpoint=127.0.0.1:99999"], "launch.rdzv_endpoint"),  # port out of range
-    (["launch.rdzv_endpoint=garbage::"], "launch.rdzv_endpoint"),     # not HOST:PORT
+    (["launch.rdzv_endpoint=garbage::"], "launch.rdzv_endpoint"),  # not HOST:PORT
     (["launch.rdzv_endpoint=999.0.0.1:29500"], "launch.rdzv_endpoint"),  # not an IPv4 address
-    (["train.steps=99999999999999999999999"], "train.steps"),         # beyond int64, and beyond any run
+    (["train.steps=99999999999999999999999"], "train.steps"),  # beyond int64, and beyond any run
     (["train.global_batch_size=99999999999"], "train.global_batch_size"),
     (["data.seq_len=9999999999"], "data.seq_len"),
     (["checkpoint.interval_steps=99999999999"], "checkpoint.interval_steps"),
-    (["run.seed=18446744073709551616"], "run.seed"),                  # 2**64: no torch seed
+    (["run.seed=18446744073709551616"], "run.seed"),  # 2**64: no torch seed
     (["launch.collective_timeout_s=inf"], "launch.collective_timeout_s"),  # TOML inf
-    (["train.grad_clip=nan"], "train.grad_clip"),                     # TOML nan
+    (["train.grad_clip=nan"], "train.grad_clip"),  # TOML nan
 ]
 
 
@@ -65,8 +67,9 @@ def test_taken_rendezvous_port_is_one_line(tmp_path, monkeypatch):
         port = taken.getsockname()[1]
         result = CliRunner().invoke(main, ["train", f"launch.rdzv_endpoint=127.0.0.1:{port}"])
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("scaletrain: error: launch.rdzv_endpoint: cannot listen on 127.0.0.1:"), \
+    assert result.stderr.startswith("scaletrain: error: launch.rdzv_endpoint: cannot listen on 127.0.0.1:"), (
         result.stderr
+    )
     assert len(result.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
@@ -99,10 +102,13 @@ def test_print_config_is_loadable_toml(tmp_path):
     assert "steps = 5" in proc.stdout
 
 
-@pytest.mark.parametrize("dtype, ids, field", [
-    ("uint16", [1, 2, 300, 4], "data.path: token id 300 at position 2"),      # above the tiny model's 256
-    ("int32", [1, -5, 2, 3], "data.path: token id -5 at position 1"),        # negative
-])
+@pytest.mark.parametrize(
+    "dtype, ids, field",
+    [
+        ("uint16", [1, 2, 300, 4], "data.path: token id 300 at position 2"),  # above the tiny model's 256
+        ("int32", [1, -5, 2, 3], "data.path: token id -5 at position 1"),  # negative
+    ],
+)
 def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tmp_path, monkeypatch, dtype, ids, field):
     data = tmp_path / "data"
     data.mkdir()
@@ -110,8 +116,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tmp_path, mo
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    result = CliRunner().invoke(main, ["train", "data.source=tokens", f"data.path={data / 'tokens.bin'}",
-                                       f"data.token_dtype={dtype}"])
+    result = CliRunner().invoke(
+        main, ["train", "data.source=tokens", f"data.path={data / 'tokens.bin'}", f"data.token_dtype={dtype}"]
+    )
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"scaletrain: error: {field}"), result.stderr
@@ -120,15 +127,15 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tmp_path, mo
 
 
 PLAN_BAD = [
-    (["--params", "1e30", "--gpus", "8"], "--params"),        # ran for minutes before
+    (["--params", "1e30", "--gpus", "8"], "--params"),  # ran for minutes before
     (["--params", "inf", "--gpus", "8"], "--params"),
     (["--params", "nan", "--gpus", "8"], "--params"),
-    (["--gpus", "1000000000"], "--gpus"),                     # ran for minutes before
+    (["--gpus", "1000000000"], "--gpus"),  # ran for minutes before
     (["--gpus", "-3"], "--gpus"),
     (["--gpus", "8", "--seq-len", "1000000000"], "--seq-len"),
     (["--gpus", "8", "--global-batch", "1000000000000"], "--global-batch"),
     (["--gpus", "8", "--global-batch", "0"], "--global-batch"),  # silently became the default before
-    (["--gpus", "8", "--layers", "100000000"], "--layers"),   # a traceback before
+    (["--gpus", "8", "--layers", "100000000"], "--layers"),  # a traceback before
     (["--gpus", "8", "--top", "1000000000"], "--top"),
     (["--gpus", "8", "--tokens", "inf"], "--tokens"),
     (["--gpus", "8", "--pue", "inf"], "--pue"),

@@ -30,14 +30,17 @@ def test_file_then_overrides(tmp_path):
     assert cfg == JobConfig.model_validate({"train": {"steps": 60, "lr": 1e-3}})
 
 
-@pytest.mark.parametrize("override, field", [
-    ("train.lr=-1", "train.lr"),
-    ("model.bogus=1", "model.bogus"),
-    ("train.steps=ten", "train.steps"),
-    ("train.steps=1.5", "train.steps"),
-    ("nosuch.key=1", "nosuch"),
-    ("precision.dtype=fp8x", "precision.dtype"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.lr=-1", "train.lr"),
+        ("model.bogus=1", "model.bogus"),
+        ("train.steps=ten", "train.steps"),
+        ("train.steps=1.5", "train.steps"),
+        ("nosuch.key=1", "nosuch"),
+        ("precision.dtype=fp8x", "precision.dtype"),
+    ],
+)
 def test_errors_are_one_line_naming_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -55,8 +58,10 @@ def test_every_registered_schedule_and_precision_is_a_config_choice_torch_knows(
     from scaletrain.config.precisions import PRECISIONS
     from scaletrain.config.schedules import SCHEDULE_NAMES, SCHEDULES
 
-    assert typing.get_args(JobConfig.model_fields["parallel"].annotation.model_fields["pp_schedule"].annotation) \
+    assert (
+        typing.get_args(JobConfig.model_fields["parallel"].annotation.model_fields["pp_schedule"].annotation)
         == SCHEDULE_NAMES
+    )
     for s in SCHEDULES:
         cfg = load_config(None, ["parallel.pp=2", f"parallel.pp_schedule={s.name}"])
         assert cfg.parallel.stages_per_rank == s.stages_per_rank

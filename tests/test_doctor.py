@@ -39,8 +39,18 @@ def test_doctor_on_this_host_reports_every_check_and_what_it_could_not_see() -> 
     res = CliRunner().invoke(main, ["doctor"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
-    names = ("gpus visible", "driver", "cuda / nccl", "gpu paths", "pcie / nvlink", "infiniband / roce",
-             "/dev/shm", "ulimit -n", "ulimit -l", "all-reduce bus bandwidth")
+    names = (
+        "gpus visible",
+        "driver",
+        "cuda / nccl",
+        "gpu paths",
+        "pcie / nvlink",
+        "infiniband / roce",
+        "/dev/shm",
+        "ulimit -n",
+        "ulimit -l",
+        "all-reduce bus bandwidth",
+    )
     for name in names:
         assert any(name in ln for ln in lines), name
     assert all(ln[:4] in ("PASS", "WARN", "FAIL", "SKIP") for ln in lines[:-1])
@@ -59,12 +69,18 @@ def test_doctor_on_this_host_reports_every_check_and_what_it_could_not_see() -> 
 
 def test_topology_matrix_and_link_math() -> None:
     pairs = parse_topo_matrix(TOPO)
-    assert pairs == {("GPU0", "GPU1"): "NV18", ("GPU0", "GPU2"): "NV18", ("GPU0", "GPU3"): "SYS",
-                     ("GPU1", "GPU2"): "NV18", ("GPU1", "GPU3"): "SYS", ("GPU2", "GPU3"): "NV18"}
+    assert pairs == {
+        ("GPU0", "GPU1"): "NV18",
+        ("GPU0", "GPU2"): "NV18",
+        ("GPU0", "GPU3"): "SYS",
+        ("GPU1", "GPU2"): "NV18",
+        ("GPU1", "GPU3"): "SYS",
+        ("GPU2", "GPU3"): "NV18",
+    }
     assert path_verdict("NV18") == ("pass", "NVLink x18")
     assert path_verdict("SYS")[0] == "warn" and path_verdict("PIX")[0] == "pass"
     assert parse_topo_matrix("No devices were found") == {}
-    assert abs(pcie_bandwidth(4, 16) - 31.5e9) < 0.1e9   # PCIe 4.0 x16: ~31.5 GB/s per direction
+    assert abs(pcie_bandwidth(4, 16) - 31.5e9) < 0.1e9  # PCIe 4.0 x16: ~31.5 GB/s per direction
     assert abs(pcie_bandwidth(5, 16) - 63.0e9) < 0.1e9
     assert pcie_bandwidth(9, 16) is None
 
@@ -72,16 +88,32 @@ def test_topology_matrix_and_link_math() -> None:
 class FakeNVML(SimpleNamespace):
     """Two GPUs: GPU1 trained at x8 of x16 and used by another process."""
 
-    def nvmlDeviceGetCount(self): return 2
-    def nvmlDeviceGetHandleByIndex(self, i): return i
+    def nvmlDeviceGetCount(self):
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [SimpleNamespace(pid=4321, usedGpuMemory=3 * 2**30)] if h == 1 else []
-    def nvmlDeviceGetGraphicsRunningProcesses(self, h): return []
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h): return 1  # idle GPUs drop the generation: not a fault
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h): return 8 if h == 1 else 16
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, h): return 4
-    def nvmlDeviceGetMaxPcieLinkWidth(self, h): return 16
-    def nvmlDeviceGetNvLinkState(self, h, link): raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h):
+        return []
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return 1  # idle GPUs drop the generation: not a fault
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return 8 if h == 1 else 16
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h):
+        return 4
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h):
+        return 16
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
 
 
 def test_pcie_width_and_sharing_with_recorded_nvml(monkeypatch) -> None:
@@ -92,6 +124,7 @@ def test_pcie_width_and_sharing_with_recorded_nvml(monkeypatch) -> None:
     assert link == "PCIe gen4 x16" and abs(expected - 31.5e9) < 0.1e9
 
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H100 80GB HBM3")

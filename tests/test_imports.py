@@ -27,8 +27,12 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.split(".")[0] == "scaletrain")
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                    and node.module.split(".")[0] == "scaletrain":
+            elif (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and node.module
+                and node.module.split(".")[0] == "scaletrain"
+            ):
                 for a in node.names:
                     sub = f"{node.module}.{a.name}"
                     targets.add(sub if sub in modules else node.module)
@@ -96,14 +100,14 @@ def test_packages_follow_the_layering():
     def bad(src_pkg, allowed):
         return [(m, t) for m, t in edges(graph, src_pkg) if package_of(t) not in allowed | {src_pkg}]
 
-    assert [(m, t) for m, ts in graph.items() for t in ts
-            if package_of(t) == "cli" and package_of(m) != "cli"] == []
+    assert [(m, t) for m, ts in graph.items() for t in ts if package_of(t) == "cli" and package_of(m) != "cli"] == []
     assert [(m, t) for m, t in edges(graph, "cli") if t == "scaletrain.cli.main"] == []  # commands never import main
     assert bad("config", set()) == []
     assert bad("models", {"config"}) == []
     assert bad("parallel", {"config", "models", "scaletrain.exit_codes"}) == []
-    assert [(m, t) for m, t in edges(graph, "launch")
-            if package_of(t) == "train" and t != "scaletrain.train.worker"] == []
+    assert [
+        (m, t) for m, t in edges(graph, "launch") if package_of(t) == "train" and t != "scaletrain.train.worker"
+    ] == []
     assert [(m, t) for m, t in edges(graph, "train") if package_of(t) in ("launch", "cli")] == []
     assert bad("scaletrain.exit_codes", set()) == []
 
@@ -111,7 +115,6 @@ def test_packages_follow_the_layering():
 def test_cli_imports_no_torch():
     """`scaletrain --help`, `models` and `ckpt ls` answer without torch (~2 s of imports): the command module and
     its subcommands load no heavy package until a command that needs one runs."""
-    code = ("import sys, scaletrain.cli.main; "
-            "print(','.join(m for m in ('torch', 'numpy', 'rich') if m in sys.modules))")
+    code = "import sys, scaletrain.cli.main; print(','.join(m for m in ('torch', 'numpy', 'rich') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "", f"scaletrain.cli.main imports {proc.stdout.strip()}"

@@ -17,8 +17,9 @@ from scaletrain.cli.main import main
 
 def test_build_context_pins_python_torch_cuda_and_runs_the_same_command(tmp_path: Path) -> None:
     out = tmp_path / "ctx"
-    res = CliRunner().invoke(main, ["launch", "container", "train.steps=7", "run.name=boxed", f"--out={out}"],
-                             catch_exceptions=False)
+    res = CliRunner().invoke(
+        main, ["launch", "container", "train.steps=7", "run.name=boxed", f"--out={out}"], catch_exceptions=False
+    )
     assert res.exit_code == 0, res.output
     docker = (out / "Dockerfile").read_text()
     apptainer = (out / "scaletrain.def").read_text()

@@ -9,26 +9,52 @@ import yaml
 from click.testing import CliRunner
 
 from scaletrain.cli.main import main
-from scaletrain.launch.kubernetes import (K8S_VERSION, K8sOptions, ManifestError, build_manifests, build_pytorchjob,
-                                          validate_pod_template, validate_pytorchjob, validate_trainjob)
+from scaletrain.launch.kubernetes import (
+    K8S_VERSION,
+    K8sOptions,
+    ManifestError,
+    build_manifests,
+    build_pytorchjob,
+    validate_pod_template,
+    validate_pytorchjob,
+    validate_trainjob,
+)
 
 FAST = ["train.global_batch_size=16", "data.max_bytes=300000", "data.seq_len=64"]
 
 
 def _invoke(tmp_path: Path, *args: str):
-    return CliRunner().invoke(main, ["launch", "k8s", *FAST, f"--out={tmp_path / 'k8s'}", *args],
-                              catch_exceptions=False)
+    return CliRunner().invoke(
+        main, ["launch", "k8s", *FAST, f"--out={tmp_path / 'k8s'}", *args], catch_exceptions=False
+    )
 
 
 def test_manifests_validate_and_carry_gpus_shm_elastic_policy_and_scheduler(tmp_path: Path) -> None:
-    res = _invoke(tmp_path, "train.global_batch_size=64", "--image", "registry.example:5000/team/scaletrain:2.1",
-                  "--nodes", "4", "--gpus-per-node", "8", "--min-nodes", "2", "--pvc", "train-runs", "--scheduler-name",
-                  "runai-scheduler", "--runai-project", "team-a", "--env", "NCCL_SOCKET_IFNAME=eth0")
+    res = _invoke(
+        tmp_path,
+        "train.global_batch_size=64",
+        "--image",
+        "registry.example:5000/team/scaletrain:2.1",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--min-nodes",
+        "2",
+        "--pvc",
+        "train-runs",
+        "--scheduler-name",
+        "runai-scheduler",
+        "--runai-project",
+        "team-a",
+        "--env",
+        "NCCL_SOCKET_IFNAME=eth0",
+    )
     assert res.exit_code == 0, res.output
     cm, pj = yaml.safe_load_all((tmp_path / "k8s" / "pytorchjob.yaml").read_text())
     _, tj = yaml.safe_load_all((tmp_path / "k8s" / "trainjob.yaml").read_text())
     validate_pytorchjob(pj)  # pod templates against Kubernetes' schema, strict
-    validate_trainjob(tj)    # the Trainer API's pydantic model + the pod schema
+    validate_trainjob(tj)  # the Trainer API's pydantic model + the pod schema
 
     assert (pj["apiVersion"], pj["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
     spec = pj["spec"]
@@ -75,19 +101,22 @@ def test_the_validator_catches_what_kubernetes_would_refuse() -> None:
         validate_pod_template({"spec": {"containers": "not-a-list"}}, K8S_VERSION, "t")
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--nodes", "-2"], "--nodes"),
-    (["--image", "Bad Image!", "--gpus-per-node", "8"], "--image"),
-    (["--image", "UPPER/case:1", "--gpus-per-node", "8"], "--image"),
-    (["--image", "scaletrain:", "--gpus-per-node", "8"], "--image"),
-    (["--image", "scaletrain", "--gpus-per-node", "-1"], "--gpus-per-node"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--nproc-per-node", "9"], "--nproc-per-node"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--shm-size", "lots"], "--shm-size"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--name", "Not_A_Label"], "--name"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--min-nodes", "3"], "--min-nodes"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "--env", "NOEQUALS"], "--env"),
-    (["--image", "scaletrain", "--gpus-per-node", "8", "train.global_batch_size=12"], "train.global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--nodes", "-2"], "--nodes"),
+        (["--image", "Bad Image!", "--gpus-per-node", "8"], "--image"),
+        (["--image", "UPPER/case:1", "--gpus-per-node", "8"], "--image"),
+        (["--image", "scaletrain:", "--gpus-per-node", "8"], "--image"),
+        (["--image", "scaletrain", "--gpus-per-node", "-1"], "--gpus-per-node"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--nproc-per-node", "9"], "--nproc-per-node"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--shm-size", "lots"], "--shm-size"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--name", "Not_A_Label"], "--name"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--min-nodes", "3"], "--min-nodes"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "--env", "NOEQUALS"], "--env"),
+        (["--image", "scaletrain", "--gpus-per-node", "8", "train.global_batch_size=12"], "train.global_batch_size"),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], field: str) -> None:
     res = CliRunner().invoke(main, ["launch", "k8s", *FAST, f"--out={tmp_path / 'k8s'}", *args])
     assert res.exit_code == 2

@@ -15,14 +15,31 @@ from scaletrain.launch.local import free_port
 from scaletrain.launch.mpi import apply_mpi_env, detect_mpi, torch_env_from_mpi
 
 
-@pytest.mark.parametrize("env, family", [
-    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-      "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, "Open MPI"),
-    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "MPICH/Intel MPI"),
-    ({"MV2_COMM_WORLD_RANK": "3", "MV2_COMM_WORLD_SIZE": "4", "MV2_COMM_WORLD_LOCAL_RANK": "1",
-      "MV2_COMM_WORLD_LOCAL_SIZE": "2"}, "MVAPICH2"),
-    ({"PMIX_RANK": "3", "SLURM_NTASKS": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"}, "PMIx"),
-])
+@pytest.mark.parametrize(
+    "env, family",
+    [
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "3",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            "Open MPI",
+        ),
+        ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}, "MPICH/Intel MPI"),
+        (
+            {
+                "MV2_COMM_WORLD_RANK": "3",
+                "MV2_COMM_WORLD_SIZE": "4",
+                "MV2_COMM_WORLD_LOCAL_RANK": "1",
+                "MV2_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            "MVAPICH2",
+        ),
+        ({"PMIX_RANK": "3", "SLURM_NTASKS": "4", "PMIX_LOCAL_RANK": "1", "PMIX_LOCAL_SIZE": "2"}, "PMIx"),
+    ],
+)
 def test_each_mpi_family_maps_to_torch_variables(env: dict, family: str) -> None:
     env = {**env, "MASTER_ADDR": "node0"}
     assert detect_mpi(env) == family
@@ -32,8 +49,12 @@ def test_each_mpi_family_maps_to_torch_variables(env: dict, family: str) -> None
 
 
 def test_endpoint_rules() -> None:
-    one_host = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                "PMIX_NAMESPACE": "prterun-host-1234@1"}
+    one_host = {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "PMIX_NAMESPACE": "prterun-host-1234@1",
+    }
     out = torch_env_from_mpi(one_host)
     assert out["MASTER_ADDR"] == "127.0.0.1" and 20000 <= int(out["MASTER_PORT"]) < 30000
     assert torch_env_from_mpi(one_host) == out  # every rank derives the same port
@@ -55,12 +76,25 @@ def test_two_processes_started_as_mpirun_does_train_together(tmp_path: Path) -> 
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**base, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
-               "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "scaletrain.cli.main", "train", *FAST,
-                                       "run.name=mpi", "train.steps=4"], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = {
+            **base,
+            "OMPI_COMM_WORLD_RANK": str(rank),
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "scaletrain.cli.main", "train", *FAST, "run.name=mpi", "train.steps=4"],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "on 2 cpu rank(s)" in outputs[0]

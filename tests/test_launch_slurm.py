@@ -22,14 +22,27 @@ from scaletrain.monitor import read_jsonl
 SLURM_DIR = Path(__file__).parent / "slurm"
 NASTY = "x\"y'z $(touch PWNED) `touch PWNED` # \\ end"
 # a small fast job: 2 CPU ranks, tiny model, 300 kB of stdlib text
-FAST = ["train.steps=20", "data.max_bytes=300000", "data.seq_len=64", "train.global_batch_size=16", "model.name=tiny",
-        "monitor.progress=false", "monitor.log_interval=1", "train.eval_batches=1", "train.warmup_steps=2",
-        "train.eval_interval=0"]
+FAST = [
+    "train.steps=20",
+    "data.max_bytes=300000",
+    "data.seq_len=64",
+    "train.global_batch_size=16",
+    "model.name=tiny",
+    "monitor.progress=false",
+    "monitor.log_interval=1",
+    "train.eval_batches=1",
+    "train.warmup_steps=2",
+    "train.eval_interval=0",
+]
 
 
 def _launch(workdir: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    return run_cli(["launch", "slurm", *FAST, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2",
-                    *extra], cwd=workdir, timeout=120, check=check)
+    return run_cli(
+        ["launch", "slurm", *FAST, "--nodes", "1", "--gpus-per-node", "0", "--nproc-per-node", "2", *extra],
+        cwd=workdir,
+        timeout=120,
+        check=check,
+    )
 
 
 # ---------------------------------------------------------------- the script, without Slurm
@@ -53,9 +66,15 @@ def _stub_env(tmp_path: Path, seconds: int) -> dict:
     for name, text in (("srun", STUB_SRUN), ("scontrol", STUB_SCONTROL)):
         (stubs / name).write_text(text)
         (stubs / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_DIR": str(tmp_path),
-            "STUB_SECONDS": str(seconds), "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
-            "SLURM_JOB_NUM_NODES": "2"}
+    return {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_DIR": str(tmp_path),
+        "STUB_SECONDS": str(seconds),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_NUM_NODES": "2",
+    }
 
 
 def test_script_quotes_every_user_string_and_forwards_the_preemption_signal(tmp_path: Path) -> None:
@@ -66,16 +85,22 @@ def test_script_quotes_every_user_string_and_forwards_the_preemption_signal(tmp_
     script = script_path.read_text()
     assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
     assert str(script_path) in proc.stdout
-    for required in ("#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120",
-                     "#SBATCH --ntasks-per-node=1", 'scontrol requeue "$SLURM_JOB_ID"',
-                     'scontrol show hostnames "$SLURM_JOB_NODELIST"'):
+    for required in (
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --ntasks-per-node=1",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        'scontrol show hostnames "$SLURM_JOB_NODELIST"',
+    ):
         assert required in script
     assert "--gpus-per-node" not in script  # CPU ranks: no GPU request
 
     # the body run by bash with stub srun/scontrol: the config path reaches srun intact, as one argument
     env = _stub_env(tmp_path, seconds=30)
-    batch = subprocess.Popen(["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    batch = subprocess.Popen(
+        ["bash", str(script_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 20
     while not (tmp_path / "srun.args").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -101,18 +126,33 @@ def test_script_passes_through_a_failure_without_requeue(tmp_path: Path) -> None
     assert not (tmp_path / "scontrol.calls").exists()
 
 
-@pytest.mark.parametrize("extra, field", [
-    (["--nodes", "-2"], "--nodes"),
-    (["--nodes", "0"], "--nodes"),
-    (["--nproc-per-node", "-1"], "--nproc-per-node"),
-    (["--time", "soon"], "--time"),
-    (["--time", "1:00", "--signal-lead", "120"], "--time"),
-    (["--job-name", "two\nlines"], "--job-name"),
-    (["train.global_batch_size=15"], "train.global_batch_size"),
-])
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (["--nodes", "-2"], "--nodes"),
+        (["--nodes", "0"], "--nodes"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node"),
+        (["--time", "soon"], "--time"),
+        (["--time", "1:00", "--signal-lead", "120"], "--time"),
+        (["--job-name", "two\nlines"], "--job-name"),
+        (["train.global_batch_size=15"], "train.global_batch_size"),
+    ],
+)
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, extra: list[str], field: str) -> None:
-    res = CliRunner().invoke(main, ["launch", "slurm", *FAST, f"run.output_dir={tmp_path / 'runs'}",
-                                    "--gpus-per-node", "0", "--nproc-per-node", "2", *extra])
+    res = CliRunner().invoke(
+        main,
+        [
+            "launch",
+            "slurm",
+            *FAST,
+            f"run.output_dir={tmp_path / 'runs'}",
+            "--gpus-per-node",
+            "0",
+            "--nproc-per-node",
+            "2",
+            *extra,
+        ],
+    )
     assert res.exit_code == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("scaletrain: error: ") and field in lines[0], res.stderr
@@ -120,6 +160,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, extra: list[st
 
 
 # ---------------------------------------------------------------- a real Slurm
+
 
 def _sh(*cmd: str, check: bool = True, timeout: float = 30) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -174,8 +215,12 @@ def test_real_slurm_runs_a_two_rank_job(slurm_cluster, tmp_path: Path) -> None:
     proc = _launch(tmp_path, "run.name=slurm2", "checkpoint.interval_steps=10", "--job-name", NASTY, "--submit")
     job_id = proc.stdout.strip().splitlines()[-1]
     assert job_id.isdigit(), proc.stdout
-    info = _wait(job_id, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-                 "completion", timeout=300)
+    info = _wait(
+        job_id,
+        lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+        "completion",
+        timeout=300,
+    )
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     assert "training exited with code 0" in log
@@ -190,19 +235,31 @@ def test_real_slurm_runs_a_two_rank_job(slurm_cluster, tmp_path: Path) -> None:
 try:  # the trainer's preemption checkpoint (checkpoint package + SIGUSR1/SIGTERM -> exit 75)
     import scaletrain.checkpoint  # noqa: F401
     from scaletrain.train.preemption import EXIT_REQUEUE
+
     HAVE_PREEMPTION = EXIT_REQUEUE == 75
 except ImportError:
     HAVE_PREEMPTION = False
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_PREEMPTION, reason="needs the trainer's preemption checkpoint "
-                                                "(scaletrain.checkpoint, scaletrain.train.preemption)")
+@pytest.mark.skipif(
+    not HAVE_PREEMPTION,
+    reason="needs the trainer's preemption checkpoint (scaletrain.checkpoint, scaletrain.train.preemption)",
+)
 def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "preempt"
     steps = 150  # ~15 s on 2 cores: long enough that the signal lands mid-run
-    proc = _launch(tmp_path, "run.name=preempt", f"train.steps={steps}", "checkpoint.interval_steps=1000",
-                   "--time", "30:00", "--signal-lead", "60", "--submit")
+    proc = _launch(
+        tmp_path,
+        "run.name=preempt",
+        f"train.steps={steps}",
+        "checkpoint.interval_steps=1000",
+        "--time",
+        "30:00",
+        "--signal-lead",
+        "60",
+        "--submit",
+    )
     job_id = proc.stdout.strip().splitlines()[-1]
     deadline = time.time() + 240
     while len(_steps(run_dir)) < 5 and time.time() < deadline:
@@ -216,8 +273,12 @@ def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: 
     stopped_at = int(saved[-1].split("_")[1])
     assert 0 < stopped_at < steps
     # the rerun waits cred_expire (10 s in tests/slurm/start.sh) before it may start
-    info = _wait(job_id, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-                 "completion after requeue", timeout=420)
+    info = _wait(
+        job_id,
+        lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+        "completion after requeue",
+        timeout=420,
+    )
     log = (run_dir / f"slurm-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-4000:]
     assert "requeueing job" in log and "attempt 2" in log  # one output file, appended across attempts

@@ -10,11 +10,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("command", [
-    ["ruff", "check", "--no-cache", "."],
-    ["ruff", "format", "--check", "--no-cache", "."],
-    ["mypy", "--no-incremental"],
-], ids=["ruff-check", "ruff-format", "mypy"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ruff", "check", "--no-cache", "."],
+        ["ruff", "format", "--check", "--no-cache", "."],
+        ["mypy", "--no-incremental"],
+    ],
+    ids=["ruff-check", "ruff-format", "mypy"],
+)
 def test_checks_pass(command):
     proc = subprocess.run([sys.executable, "-m", *command], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(command)}:\n{proc.stdout[-6000:]}{proc.stderr[-2000:]}"

@@ -53,11 +53,14 @@ def test_init_depends_only_on_seed_and_name():
         assert torch.equal(p1, p2), n
 
 
-@pytest.mark.parametrize("override, message", [
-    ({"name": "gpt-9"}, "model.name"),
-    ({"name": "tiny", "n_heads": 3}, "model.dim"),
-    ({"name": "tiny", "n_kv_heads": 3}, "model.n_kv_heads"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"name": "gpt-9"}, "model.name"),
+        ({"name": "tiny", "n_heads": 3}, "model.dim"),
+        ({"name": "tiny", "n_kv_heads": 3}, "model.n_kv_heads"),
+    ],
+)
 def test_bad_shapes_name_the_field(override, message):
     with pytest.raises(ValueError, match=message):
         model_spec(ModelConfig(**override))

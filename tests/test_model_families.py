@@ -14,8 +14,11 @@ from test_parallel_layouts import launch_runner, runner_losses, runner_state
 
 FAMILIES = str(Path(__file__).resolve().parent / "model_families")
 TOL = 1e-5
-LAYOUTS = {"ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"], "fsdp2": [],
-           "pp2": ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=GPipe"]}
+LAYOUTS = {
+    "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp2": [],
+    "pp2": ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=GPipe"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,11 @@ def test_a_new_family_trains_under_every_data_and_pipeline_layout(mlp_runs, layo
 def test_the_cli_lists_trains_checkpoints_and_exports_a_new_family(tmp_path):
     env = {"SCALETRAIN_MODEL_PATH": FAMILIES}
     assert "mlp-tiny" in run_cli(["models"], tmp_path, env=env).stdout
-    run_cli(["train", *FAST, "model.name=mlp-tiny", "run.name=mlp", "checkpoint.save_final=true",
-             "--nproc-per-node", "1"], tmp_path, env=env)
+    run_cli(
+        ["train", *FAST, "model.name=mlp-tiny", "run.name=mlp", "checkpoint.save_final=true", "--nproc-per-node", "1"],
+        tmp_path,
+        env=env,
+    )
     assert len(losses(tmp_path / "runs/mlp")) == 10
     ckpt = tmp_path / "runs/mlp/checkpoints/step_00000010"
     manifest = json.loads((ckpt / "manifest.json").read_text())
@@ -57,10 +63,12 @@ def test_the_cli_lists_trains_checkpoints_and_exports_a_new_family(tmp_path):
     from safetensors.torch import load_file
 
     assert load_file(str(tmp_path / "st/model.safetensors"))["blocks.0.up.weight"].shape == torch.Size([256, 64])
-    proc = run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path,
-                   env=env, check=False)
+    proc = run_cli(
+        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path, env=env, check=False
+    )
     assert proc.returncode == 2 and proc.stderr.strip().endswith("has no Hugging Face counterpart")
     assert not (tmp_path / "hf").exists()
-    proc = run_cli(["train", "model.name=mlp-tiny", "parallel.tp=2", "--nproc-per-node", "2"], tmp_path, env=env,
-                   check=False)
+    proc = run_cli(
+        ["train", "model.name=mlp-tiny", "parallel.tp=2", "--nproc-per-node", "2"], tmp_path, env=env, check=False
+    )
     assert proc.returncode == 2 and "has no tensor-parallel plan" in proc.stderr

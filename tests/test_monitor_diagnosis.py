@@ -8,11 +8,24 @@ from scaletrain.monitor.report import build_report
 
 def _rec(step, data=0.001, fwd=0.03, bwd=0.05, comm=(0.002, 0.002), opt=0.01, busy=(0.09, 0.09), **extra):
     st = data + fwd + bwd + sum(comm) / len(comm) + opt + 0.002
-    return {"step": step, "loss": 5.0 - step * 0.1, "step_time_s": st, "tokens_per_s": 1000 / st, "mfu": 0.01,
-            "time_data_s": data, "time_forward_s": fwd, "time_backward_s": bwd,
-            "time_comm_s": sum(comm) / len(comm), "time_optimizer_s": opt, "time_other_s": 0.002,
-            "busy_s_per_rank": list(busy), "comm_s_per_rank": list(comm), "peak_mem_bytes_per_rank": [4e8, 4e8],
-            "comm_measure": "grad-ready hooks", **extra}
+    return {
+        "step": step,
+        "loss": 5.0 - step * 0.1,
+        "step_time_s": st,
+        "tokens_per_s": 1000 / st,
+        "mfu": 0.01,
+        "time_data_s": data,
+        "time_forward_s": fwd,
+        "time_backward_s": bwd,
+        "time_comm_s": sum(comm) / len(comm),
+        "time_optimizer_s": opt,
+        "time_other_s": 0.002,
+        "busy_s_per_rank": list(busy),
+        "comm_s_per_rank": list(comm),
+        "peak_mem_bytes_per_rank": [4e8, 4e8],
+        "comm_measure": "grad-ready hooks",
+        **extra,
+    }
 
 
 def test_rules_name_each_bottleneck_and_spare_a_healthy_run():
@@ -40,12 +53,19 @@ def test_report_escapes_every_string_from_configs_and_logs(tmp_path):
     rows = [_rec(s, comm_measure=f"<img src=x onerror=alert(1)>{s}") for s in range(1, 5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "monitor").mkdir()
-    (tmp_path / "monitor" / "meta.json").write_text(json.dumps({"device": "cpu", "layout": evil,
-                                                                "peak_source": "<b>bold</b>"}))
+    (tmp_path / "monitor" / "meta.json").write_text(
+        json.dumps({"device": "cpu", "layout": evil, "peak_source": "<b>bold</b>"})
+    )
     (tmp_path / "profile").mkdir()
-    (tmp_path / "profile" / "top_ops_rank0.json").write_text(json.dumps(
-        {"rank": 0, "time": "cpu", "ops": [{"name": "<svg onload=alert(2)>", "self_time_us": 5.0, "calls": 1,
-                                            "share": 1.0}]}))
+    (tmp_path / "profile" / "top_ops_rank0.json").write_text(
+        json.dumps(
+            {
+                "rank": 0,
+                "time": "cpu",
+                "ops": [{"name": "<svg onload=alert(2)>", "self_time_us": 5.0, "calls": 1, "share": 1.0}],
+            }
+        )
+    )
     html = build_report(tmp_path)
     for raw in (evil, "<img src=x", "<b>bold</b>", "<svg onload"):
         assert raw not in html
@@ -58,8 +78,14 @@ def test_run_resumed_on_another_world_size_is_judged_on_its_last_layout():
     from scaletrain.monitor.diagnosis import diagnose
 
     def rec(step, ranks):
-        return {"step": step, "step_time_s": 0.1, "time_data_s": 0.0, "time_comm_s": 0.0,
-                "busy_s_per_rank": [0.08] * ranks, "comm_s_per_rank": [0.01] * ranks}
+        return {
+            "step": step,
+            "step_time_s": 0.1,
+            "time_data_s": 0.0,
+            "time_comm_s": 0.0,
+            "busy_s_per_rank": [0.08] * ranks,
+            "comm_s_per_rank": [0.01] * ranks,
+        }
 
     records = [rec(s, 4) for s in range(1, 6)] + [rec(s, 2) for s in range(6, 11)]
     assert [f.rule for f in diagnose(records)] == []

@@ -13,9 +13,18 @@ from conftest import run_cli
 from scaletrain.monitor import read_jsonl
 from scaletrain.monitor.faults import ENV as FAULTS
 
-RUN = ["train.steps=14", "monitor.log_interval=2", "train.global_batch_size=16", "data.seq_len=64",
-       "train.eval_batches=1", "data.max_bytes=300000", "train.warmup_steps=2", "monitor.progress=false",
-       "parallel.dp_replicate=2", "train.eval_interval=0"]
+RUN = [
+    "train.steps=14",
+    "monitor.log_interval=2",
+    "train.global_batch_size=16",
+    "data.seq_len=64",
+    "train.eval_batches=1",
+    "data.max_bytes=300000",
+    "train.warmup_steps=2",
+    "monitor.progress=false",
+    "parallel.dp_replicate=2",
+    "train.eval_interval=0",
+]
 
 
 def diagnosis(run):
@@ -31,10 +40,25 @@ def chromium(args: list[str], tmp_path, timeout=120) -> subprocess.CompletedProc
     if exe is None:
         pytest.skip("chromium not installed (tests/browser/install.sh installs it)")
     return subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'chromium-profile'}", "--enable-logging=stderr", "--v=0", *args],
-        capture_output=True, text=True, timeout=timeout)
+        [
+            exe,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def console_lines(stderr: str) -> list[str]:
@@ -42,16 +66,24 @@ def console_lines(stderr: str) -> list[str]:
 
 
 def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path):
-    proc = run_cli(["train", *RUN, "run.name=healthy", "monitor.sample_interval_s=0.2", "monitor.profile_at_step=5"],
-                   tmp_path)
+    proc = run_cli(
+        ["train", *RUN, "run.name=healthy", "monitor.sample_interval_s=0.2", "monitor.profile_at_step=5"], tmp_path
+    )
     run = tmp_path / "runs" / "healthy"
     assert flags(run) == [], diagnosis(run)
     assert "diagnosis: no bottleneck found" in proc.stderr
     assert re.search(r"step 4/14 .* MFU [\d.]+% +step \d+ ms \(data \d+%, comm \d+%\)", proc.stderr)
 
     rows = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r]
-    for key in ("mfu", "time_data_s", "time_forward_s", "time_backward_s", "time_comm_s", "time_optimizer_s",
-                "straggler_spread"):
+    for key in (
+        "mfu",
+        "time_data_s",
+        "time_forward_s",
+        "time_backward_s",
+        "time_comm_s",
+        "time_optimizer_s",
+        "straggler_spread",
+    ):
         assert all(r[key] >= 0 for r in rows), key
     assert all(len(r["peak_mem_bytes_per_rank"]) == 2 and min(r["peak_mem_bytes_per_rank"]) > 1e7 for r in rows)
     assert rows[-1]["comm_measure"] == "grad-ready hooks"
@@ -61,9 +93,22 @@ def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss/train", "loss/val", "optim/grad_norm", "optim/lr", "throughput/tokens_per_s", "throughput/mfu",
-            "time/data_s", "time/forward_s", "time/backward_s", "time/comm_s", "time/optimizer_s",
-            "ranks/straggler_spread", "memory/peak_bytes/rank0", "memory/peak_bytes/rank1"} <= tags
+    assert {
+        "loss/train",
+        "loss/val",
+        "optim/grad_norm",
+        "optim/lr",
+        "throughput/tokens_per_s",
+        "throughput/mfu",
+        "time/data_s",
+        "time/forward_s",
+        "time/backward_s",
+        "time/comm_s",
+        "time/optimizer_s",
+        "ranks/straggler_spread",
+        "memory/peak_bytes/rank0",
+        "memory/peak_bytes/rank1",
+    } <= tags
     assert [e.step for e in acc.Scalars("loss/train")] == [r["step"] for r in rows]
     assert acc.Scalars("loss/train")[-1].value == pytest.approx(rows[-1]["loss"], rel=1e-6)
 
@@ -92,15 +137,19 @@ def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path
 
 def test_slow_data_source_is_diagnosed_as_data_loader_bound(tmp_path):
     # the fault reaches the ranks only through the launcher passing the environment on
-    run_cli(["train", *RUN, "run.name=slowdata", "monitor.sample_interval_s=0"], tmp_path,
-            env={FAULTS: "data_delay_ms=60"})
+    run_cli(
+        ["train", *RUN, "run.name=slowdata", "monitor.sample_interval_s=0"], tmp_path, env={FAULTS: "data_delay_ms=60"}
+    )
     got = flags(tmp_path / "runs" / "slowdata")
     assert [f["rule"] for f in got] == ["data_loader_bound"], got
 
 
 def test_slow_rank_is_diagnosed_as_straggler_naming_it(tmp_path):
-    proc = run_cli(["train", *RUN, "run.name=slowrank", "monitor.sample_interval_s=0"], tmp_path,
-                   env={FAULTS: "slow_rank=1,slow_rank_ms=100"})
+    proc = run_cli(
+        ["train", *RUN, "run.name=slowrank", "monitor.sample_interval_s=0"],
+        tmp_path,
+        env={FAULTS: "slow_rank=1,slow_rank_ms=100"},
+    )
     got = flags(tmp_path / "runs" / "slowrank")
     assert [f["rule"] for f in got] == ["straggler"] and got[0]["ranks"] == [1], got
     assert "Straggling rank: rank 1" in proc.stderr
@@ -111,12 +160,20 @@ def test_fault_injection_is_an_environment_variable_refused_in_one_line_when_mal
     from scaletrain.monitor.faults import injected_delays
 
     assert injected_delays(0, {}) == {}
-    assert injected_delays(1, {FAULTS: "data_delay_ms=50, slow_rank=1,slow_rank_ms=80"}) == \
-        {"data": 0.05, "forward": 0.08, "fb": 0.08}
+    assert injected_delays(1, {FAULTS: "data_delay_ms=50, slow_rank=1,slow_rank_ms=80"}) == {
+        "data": 0.05,
+        "forward": 0.08,
+        "fb": 0.08,
+    }
     assert injected_delays(0, {FAULTS: "slow_rank=1,slow_rank_ms=80"}) == {}
-    for bad, named in [("data_delay=5", "'data_delay=5'"), ("data_delay_ms=-1", "data_delay_ms"),
-                       ("slow_rank=one,slow_rank_ms=5", "slow_rank"), ("slow_rank_ms=80", "go together"),
-                       ("data_delay_ms=nan", "data_delay_ms"), ("data_delay_ms", "'data_delay_ms'")]:
+    for bad, named in [
+        ("data_delay=5", "'data_delay=5'"),
+        ("data_delay_ms=-1", "data_delay_ms"),
+        ("slow_rank=one,slow_rank_ms=5", "slow_rank"),
+        ("slow_rank_ms=80", "go together"),
+        ("data_delay_ms=nan", "data_delay_ms"),
+        ("data_delay_ms", "'data_delay_ms'"),
+    ]:
         with pytest.raises(ValueError) as e:
             injected_delays(0, {FAULTS: bad})
         assert str(e.value).startswith(f"{FAULTS}: ") and named in str(e.value) and "\n" not in str(e.value)

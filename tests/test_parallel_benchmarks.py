@@ -8,9 +8,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_layouts_benchmark_runs_and_lists_refused_layouts():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/layouts.py"), "--nproc", "2", "--steps", "2",
-                           "--seq-len", "64", "--only", "tp2,pp2", "--set", "model.n_kv_heads=1"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/layouts.py"),
+            "--nproc",
+            "2",
+            "--steps",
+            "2",
+            "--seq-len",
+            "64",
+            "--only",
+            "tp2,pp2",
+            "--set",
+            "model.n_kv_heads=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = {line.split()[0]: line for line in proc.stdout.splitlines()[2:] if line.strip()}
     assert set(lines) == {"tp2", "pp2"}
@@ -19,7 +35,20 @@ def test_layouts_benchmark_runs_and_lists_refused_layouts():
 
 
 def test_pp_balance_benchmark_runs():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/pp_balance.py"), "--reps", "1", "--seq-len", "32",
-                           "--micro-batch", "1"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/pp_balance.py"),
+            "--reps",
+            "1",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers" in proc.stdout and "cost" in proc.stdout

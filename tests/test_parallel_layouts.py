@@ -27,13 +27,20 @@ CLI_LAYOUTS = {
     "tp2_auto_plan": (2, ["parallel.tp=2", "parallel.tp_plan=auto"]),  # linears found by structure
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "fsdp2_tp2": (4, ["parallel.tp=2", "parallel.dp_shard=2"]),
-    "ddp2_pp2": (4, ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1",
-                     "parallel.pp_schedule=Interleaved1F1B"]),
+    "ddp2_pp2": (
+        4,
+        ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.pp_schedule=Interleaved1F1B"],
+    ),
 }
-AC = {"ac_full": ["parallel.activation_checkpoint=full"],
-      "ac_selective_op": ["parallel.activation_checkpoint=selective", "parallel.ac_selective=op"],
-      "ac_selective_layer": ["parallel.activation_checkpoint=selective", "parallel.ac_selective=layer",
-                             "parallel.ac_every=2"]}
+AC = {
+    "ac_full": ["parallel.activation_checkpoint=full"],
+    "ac_selective_op": ["parallel.activation_checkpoint=selective", "parallel.ac_selective=op"],
+    "ac_selective_layer": [
+        "parallel.activation_checkpoint=selective",
+        "parallel.ac_selective=layer",
+        "parallel.ac_every=2",
+    ],
+}
 
 
 def launch_runner(nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600) -> None:
@@ -44,8 +51,20 @@ def launch_runner(nproc: int, jobs: dict[str, list[str]], out: Path, timeout: fl
     if nproc == 1:
         cmd = [sys.executable, str(RUNNER), str(spec), str(out)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(RUNNER), str(spec), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            str(RUNNER),
+            str(spec),
+            str(out),
+        ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -69,10 +88,21 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("layouts")
     out = cwd / "runner"
     launch_runner(1, {"single": ["parallel.dp_shard=1"], **AC}, out)
-    launch_runner(2, {f"pp2_{s}": ["parallel.pp=2", "parallel.dp_shard=1", f"parallel.pp_schedule={s}"]
-                      for s in SCHEDULES}, out)
-    launch_runner(8, {"pp2_fsdp2_tp2_sp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
-                                           "parallel.sequence_parallel=true"]}, out)
+    launch_runner(
+        2, {f"pp2_{s}": ["parallel.pp=2", "parallel.dp_shard=1", f"parallel.pp_schedule={s}"] for s in SCHEDULES}, out
+    )
+    launch_runner(
+        8,
+        {
+            "pp2_fsdp2_tp2_sp": [
+                "parallel.pp=2",
+                "parallel.dp_shard=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+            ]
+        },
+        out,
+    )
     stderr = {}
     for name, (nproc, extra) in CLI_LAYOUTS.items():
         proc = run_cli(["train", *FAST, f"run.name={name}", *extra, "--nproc-per-node", str(nproc)], cwd)

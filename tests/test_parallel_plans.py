@@ -1,7 +1,6 @@
 """Tensor- and pipeline-parallel plans without starting ranks: the automatic TP plan, the cost-balanced stage
 split, the schedules' bubble, and impossible layouts refused before launch (one line, exit 2, nothing written)."""
 
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -99,8 +98,10 @@ def test_cost_split_is_optimal_contiguous_and_covers_every_layer():
         bounds = split_layers(costs, k)
         assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == n
         assert all(a < b for a, b in bounds) and all(bounds[i][1] == bounds[i + 1][0] for i in range(k - 1))
-        best = min(max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, n)))
-                   for cut in itertools.combinations(range(1, n), k - 1))
+        best = min(
+            max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, n)))
+            for cut in itertools.combinations(range(1, n), k - 1)
+        )
         assert max(stage_costs(costs, bounds)) == pytest.approx(best, rel=1e-12)
 
 
@@ -123,13 +124,13 @@ def test_bubble_of_gpipe_is_p_minus_1_over_m_plus_p_minus_1():
 
 
 BAD = [
-    (["parallel.tp=2", "parallel.pp=2"], "parallel"),                          # 4 != world size 2
-    (["parallel.pp=8", "--nproc-per-node", "8"], "parallel.pp"),               # 8 stages, 4 layers
+    (["parallel.tp=2", "parallel.pp=2"], "parallel"),  # 4 != world size 2
+    (["parallel.pp=8", "--nproc-per-node", "8"], "parallel.pp"),  # 8 stages, 4 layers
     (["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=4"], "parallel.pp"),
     (["parallel.tp=2", "model.n_heads=2", "model.n_kv_heads=1"], "parallel.tp"),  # kv heads 1 not split by 2
     (["parallel.tp=4", "--nproc-per-node", "4", "model.n_heads=2", "model.n_kv_heads=2"], "parallel.tp"),
     (["parallel.tp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "--nproc-per-node", "4"], "parallel.tp"),
-    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),        # SP without TP
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),  # SP without TP
     (["parallel.pp=2", "parallel.pp_schedule=1F1B", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank"),
     (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),  # 16 per rank / 3
     (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches"),  # 1F1B: 1 < 2 stages

@@ -28,9 +28,23 @@ def runs(tmp_path_factory):
         run_cli(["train", *FAST, f"run.name={name}", *extra, *flags], cwd)
     # DDP under an external torchrun: `scaletrain train` runs as the rank it was started as
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", "-m", "scaletrain.cli.main", "train", *FAST, "run.name=ddp",
-           "parallel.dp_replicate=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        *FAST,
+        "run.name=ddp",
+        "parallel.dp_replicate=2",
+    ]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {name: cwd / "runs" / name for name in [*layouts, "ddp"]}

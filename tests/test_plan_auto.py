@@ -44,9 +44,23 @@ def test_bad_plan_mode_is_one_line_exit_2():
 
 
 def test_plan_auto_trains(workdir):
-    proc = run_cli(["train", "--plan", "auto", "train.steps=3", "data.seq_len=64", "data.max_bytes=300000",
-                    "train.eval_batches=1", "monitor.progress=false", "monitor.log_interval=1",
-                    "--nproc-per-node", "2", "run.device=cpu"], cwd=workdir)
+    proc = run_cli(
+        [
+            "train",
+            "--plan",
+            "auto",
+            "train.steps=3",
+            "data.seq_len=64",
+            "data.max_bytes=300000",
+            "train.eval_batches=1",
+            "monitor.progress=false",
+            "monitor.log_interval=1",
+            "--nproc-per-node",
+            "2",
+            "run.device=cpu",
+        ],
+        cwd=workdir,
+    )
     assert "plan auto:" in proc.stderr
     assert len(losses(workdir / "runs" / "default")) == 3
 

@@ -11,8 +11,21 @@ from click.testing import CliRunner
 
 from scaletrain.cli.main import main
 
-PLAN_8B = ["plan", "--model", "llama-8b", "--gpus", "64", "--gpu", "h100-sxm", "--interconnect", "nvlink4,ib-ndr",
-           "--seq-len", "8192", "--global-batch", "512"]
+PLAN_8B = [
+    "plan",
+    "--model",
+    "llama-8b",
+    "--gpus",
+    "64",
+    "--gpu",
+    "h100-sxm",
+    "--interconnect",
+    "nvlink4,ib-ndr",
+    "--seq-len",
+    "8192",
+    "--global-batch",
+    "512",
+]
 
 
 def run(args):
@@ -22,9 +35,21 @@ def run(args):
 def test_plan_prints_ranked_table_and_explanations():
     r = run(PLAN_8B)
     assert r.exit_code == 0, r.output
-    for text in ("layout", "mem/GPU GB", "step s", "tokens/s", "MFU", "bubble %", "comm %", "why #1",
-                 "why not the alternatives", "crosses nodes over ib-ndr", "run #1 with: parallel.dp_replicate=",
-                 "one h100-sxm", "CUDA context"):
+    for text in (
+        "layout",
+        "mem/GPU GB",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "bubble %",
+        "comm %",
+        "why #1",
+        "why not the alternatives",
+        "crosses nodes over ib-ndr",
+        "run #1 with: parallel.dp_replicate=",
+        "one h100-sxm",
+        "CUDA context",
+    ):
         assert text in r.output, text
 
 
@@ -34,16 +59,37 @@ def test_plan_json():
     data = json.loads(r.output)
     top = data["layouts"][0]
     assert top["fits"] and top["memory_bytes"]["total"] <= 80e9
-    assert set(top["memory_bytes"]) >= {"parameters", "gradients", "optimizer states", "activations",
-                                        "CUDA context", "comm buffers", "fragmentation"}
+    assert set(top["memory_bytes"]) >= {
+        "parameters",
+        "gradients",
+        "optimizer states",
+        "activations",
+        "CUDA context",
+        "comm buffers",
+        "fragmentation",
+    }
     assert "parallel.dp_shard=" in top["layout"]["overrides"]
     assert data["budget"]["gpu_hours"] > 0 and data["budget"]["energy_kwh"] > 0
     assert data["why"] and data["alternatives"] and data["advice"]
 
 
 def test_compare_gpus_for_a_token_budget():
-    r = run(["plan", "--model", "llama-8b", "--gpus", "64", "--tokens", "1T", "--precision", "bf16",
-             "--compare-gpus", "h100-sxm,l40s,a100-80gb", "--json"])
+    r = run(
+        [
+            "plan",
+            "--model",
+            "llama-8b",
+            "--gpus",
+            "64",
+            "--tokens",
+            "1T",
+            "--precision",
+            "bf16",
+            "--compare-gpus",
+            "h100-sxm,l40s,a100-80gb",
+            "--json",
+        ]
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)["compare"]
     assert [x["gpu"] for x in rows] == ["h100-sxm", "l40s", "a100-80gb"]
@@ -56,15 +102,23 @@ def test_compare_gpus_for_a_token_budget():
 
 def test_custom_size_and_cluster_file(tmp_path):
     f = tmp_path / "lab.toml"
-    f.write_text('gpu = "my-gpu"\ngpus_per_node = 4\nnodes = 4\nintra_node_link = "pcie5"\n'
-                 'inter_node_link = "roce-400"\nusd_per_gpu_hour = 1.5\npue = 1.2\n'
-                 '[gpu_types.my-gpu]\nmemory_gb = 96\nmemory_bw_tbs = 3.0\nbf16_tflops = 500\npower_w = 500\n'
-                 'source = "test figures"\n')
+    f.write_text(
+        'gpu = "my-gpu"\ngpus_per_node = 4\nnodes = 4\nintra_node_link = "pcie5"\n'
+        'inter_node_link = "roce-400"\nusd_per_gpu_hour = 1.5\npue = 1.2\n'
+        "[gpu_types.my-gpu]\nmemory_gb = 96\nmemory_bw_tbs = 3.0\nbf16_tflops = 500\npower_w = 500\n"
+        'source = "test figures"\n'
+    )
     r = run(["plan", "--params", "13B", "--cluster", str(f), "--seq-len", "4096", "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert data["cluster"] == {**data["cluster"], "gpu": "my-gpu", "gpus": 16, "nodes": 4, "intra_link": "pcie5",
-                               "inter_link": "roce-400"}
+    assert data["cluster"] == {
+        **data["cluster"],
+        "gpu": "my-gpu",
+        "gpus": 16,
+        "nodes": 4,
+        "intra_link": "pcie5",
+        "inter_link": "roce-400",
+    }
     assert 12e9 < data["model"]["params"] < 14e9
 
 
@@ -89,17 +143,26 @@ def test_impossible_requests_fail_in_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("scaletrain: error: ") and message in lines[0], r.stderr
 
 
-@pytest.mark.parametrize("text,message", [
-    ('gpu = "h100-sxm"\ngpus_per_node = 8\nnodse = 2\n', "nodse: unknown key"),
-    ('gpu = "h100-sxm"\ngpus_per_node = "8"\n', "gpus_per_node"),
-    ('gpu = "h100-sxm"\ngpus_per_node = 8\n[', "not valid TOML"),
-    ('gpu = "tpu-v9"\ngpus_per_node = 8\n', "gpu: unknown GPU"),
-    ('gpu = "h100-sxm"\ngpus_per_node = 8\ninter_node_link = "nvlink4"\n', "intra_node_link/inter_node_link"),
-    ('gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
-     'power_w = 300\n', "gpu_types.x.source"),
-    ('gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
-     'power_w = 300\nsource = "me"\nmemroy_gb = 1\n', "gpu_types.x.memroy_gb: unknown key; valid keys here: memory_gb"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('gpu = "h100-sxm"\ngpus_per_node = 8\nnodse = 2\n', "nodse: unknown key"),
+        ('gpu = "h100-sxm"\ngpus_per_node = "8"\n', "gpus_per_node"),
+        ('gpu = "h100-sxm"\ngpus_per_node = 8\n[', "not valid TOML"),
+        ('gpu = "tpu-v9"\ngpus_per_node = 8\n', "gpu: unknown GPU"),
+        ('gpu = "h100-sxm"\ngpus_per_node = 8\ninter_node_link = "nvlink4"\n', "intra_node_link/inter_node_link"),
+        (
+            'gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
+            "power_w = 300\n",
+            "gpu_types.x.source",
+        ),
+        (
+            'gpu = "x"\ngpus_per_node = 8\n[gpu_types.x]\nmemory_gb = 80\nmemory_bw_tbs = 1\nbf16_tflops = 100\n'
+            'power_w = 300\nsource = "me"\nmemroy_gb = 1\n',
+            "gpu_types.x.memroy_gb: unknown key; valid keys here: memory_gb",
+        ),
+    ],
+)
 def test_bad_cluster_files(tmp_path, text, message):
     f = tmp_path / "c.toml"
     f.write_text(text)
@@ -114,15 +177,35 @@ def test_bad_cluster_files(tmp_path, text, message):
 def test_bench_writes_calibration_the_planner_uses(tmp_path):
     cal = tmp_path / "cal.toml"
     # a real process: bench spawns gloo ranks of its own
-    p = subprocess.run([sys.executable, "-m", "scaletrain.cli.main", "bench", "-o", str(cal), "--size-mb", "1",
-                        "--matmul-n", "256"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "scaletrain.cli.main", "bench", "-o", str(cal), "--size-mb", "1", "--matmul-n", "256"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert "all-reduce busbw" in p.stdout and "per dispatched op" in p.stdout and cal.is_file()
     from scaletrain.hardware.calibration import load_calibration
 
     assert 0 < load_calibration(cal).op_overhead_s < 1e-3  # seconds per op: microseconds, not milliseconds
-    r = run(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--calibration", str(cal),
-             "--seq-len", "256", "--global-batch", "16", "--json"])
+    r = run(
+        [
+            "plan",
+            "--model",
+            "tiny",
+            "--gpu",
+            "cpu",
+            "--gpus",
+            "2",
+            "--calibration",
+            str(cal),
+            "--seq-len",
+            "256",
+            "--global-batch",
+            "16",
+            "--json",
+        ]
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
     assert data["cluster"]["calibration"].startswith("calibrated on")

@@ -18,14 +18,20 @@ from scaletrain.plan.memory import trainer_model_state_bytes
 SEQ = 32
 # (dp_replicate, dp_shard, tp, pp, precision, schedule, vocab)
 LAYOUTS_2 = [
-    (2, 1, 1, 1, "fp32", None, 256), (2, 1, 1, 1, "bf16", None, 256),
-    (1, 2, 1, 1, "fp32", None, 256), (1, 2, 1, 1, "bf16", None, 256),
-    (1, 1, 2, 1, "fp32", None, 256), (1, 1, 2, 1, "bf16", None, 256),
-    (1, 1, 1, 2, "fp32", "1F1B", 4096), (1, 1, 1, 2, "fp32", "Interleaved1F1B", 4096),
+    (2, 1, 1, 1, "fp32", None, 256),
+    (2, 1, 1, 1, "bf16", None, 256),
+    (1, 2, 1, 1, "fp32", None, 256),
+    (1, 2, 1, 1, "bf16", None, 256),
+    (1, 1, 2, 1, "fp32", None, 256),
+    (1, 1, 2, 1, "bf16", None, 256),
+    (1, 1, 1, 2, "fp32", "1F1B", 4096),
+    (1, 1, 1, 2, "fp32", "Interleaved1F1B", 4096),
     (1, 1, 1, 2, "fp32", "ZBVZeroBubble", 4096),
 ]
 LAYOUTS_4 = [
-    (1, 2, 2, 1, "bf16", None, 256), (1, 2, 1, 2, "fp32", "1F1B", 4096), (2, 1, 1, 2, "fp32", "1F1B", 4096),
+    (1, 2, 2, 1, "bf16", None, 256),
+    (1, 2, 1, 2, "fp32", "1F1B", 4096),
+    (2, 1, 1, 2, "fp32", "1F1B", 4096),
     (1, 1, 2, 2, "fp32", "1F1B", 4096),
 ]
 
@@ -59,16 +65,41 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
             spec = _spec(vocab)
             dims = ParallelDims(dpr, dps, tp, pp)
             mesh = build_mesh(dims, "cpu")
-            pcfg = ParallelConfig(dp_replicate=dpr, dp_shard=dps, tp=tp, pp=pp, sequence_parallel=tp > 1,
-                                  **({"pp_schedule": schedule} if schedule else {}))
-            pm = apply_parallelism(spec.build("meta"), dims, mesh, torch.device("cpu"), pcfg,
-                                   PrecisionConfig(dtype=dtype), spec=spec,
-                                   init_fn=lambda m, s=spec: s.init_weights(m, 0), microbatches=4, seq_len=SEQ)
+            pcfg = ParallelConfig(
+                dp_replicate=dpr,
+                dp_shard=dps,
+                tp=tp,
+                pp=pp,
+                sequence_parallel=tp > 1,
+                **({"pp_schedule": schedule} if schedule else {}),
+            )
+            pm = apply_parallelism(
+                spec.build("meta"),
+                dims,
+                mesh,
+                torch.device("cpu"),
+                pcfg,
+                PrecisionConfig(dtype=dtype),
+                spec=spec,
+                init_fn=lambda m, s=spec: s.init_weights(m, 0),
+                microbatches=4,
+                seq_len=SEQ,
+            )
             model = pm.module
             opt = build_optimizer(model, TrainConfig())
-            job = Job(model=model, optimizer=opt, dims=dims, mesh=mesh, device=torch.device("cpu"), rank=rank,
-                      world_size=world, dp_rank=0, dtype=dtype, pipeline=pm.pipeline,
-                      loss_parallel=pm.loss_parallel)
+            job = Job(
+                model=model,
+                optimizer=opt,
+                dims=dims,
+                mesh=mesh,
+                device=torch.device("cpu"),
+                rank=rank,
+                world_size=world,
+                dp_rank=0,
+                dtype=dtype,
+                pipeline=pm.pipeline,
+                loss_parallel=pm.loss_parallel,
+            )
             gen = torch.Generator().manual_seed(0)
             batches = []
             for _ in range(4):
@@ -79,8 +110,15 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
             job.step()  # creates the optimizer states, then frees the gradients
             params = sum(_local_bytes(p) for p in model.parameters())
             states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-            results.append({"layout": layout, "pp_rank": mesh["pp"].get_local_rank() if pp > 1 else 0,
-                            "parameters": params, "gradients": grads, "optimizer states": states})
+            results.append(
+                {
+                    "layout": layout,
+                    "pp_rank": mesh["pp"].get_local_rank() if pp > 1 else 0,
+                    "parameters": params,
+                    "gradients": grads,
+                    "optimizer states": states,
+                }
+            )
         out.put(results)
     finally:
         dist.barrier()  # a gloo thread may still release a finished collective; destroying now can deadlock
@@ -97,8 +135,7 @@ def _launch(world: int, layouts: list) -> list[dict]:
     import torch.multiprocessing as mp
 
     q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), layouts, q), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), layouts, q), nprocs=world, join=True, start_method="spawn")
     return [r for _ in range(world) for r in q.get()]
 
 
@@ -124,8 +161,9 @@ def _check(measured: list[dict], layout: tuple, world: int) -> None:
     if pp > 1:  # the pipeline ranks really hold different parts, and the planner's largest is the largest
         by_rank = {r["pp_rank"]: r["parameters"] for r in rows}
         assert len(set(by_rank.values())) > 1
-        assert trainer_model_state_bytes(_spec(vocab).shape(), tp, pp, dps, SEQ, stages, v_shaped)["parameters"] == \
-            max(by_rank.values())
+        assert trainer_model_state_bytes(_spec(vocab).shape(), tp, pp, dps, SEQ, stages, v_shaped)["parameters"] == max(
+            by_rank.values()
+        )
 
 
 def _ids(x) -> str:

@@ -147,8 +147,14 @@ def test_llama_block_selective_checkpoint_keeps_matmul_and_attention_outputs():
     b, s = 2, 128
     x = torch.randn(b, s, ARGS.dim, dtype=torch.bfloat16, requires_grad=True)
     with Record():
-        torch.utils.checkpoint.checkpoint(block, x, cos[:s], sin[:s], use_reentrant=False,
-                                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
+        torch.utils.checkpoint.checkpoint(
+            block,
+            x,
+            cos[:s],
+            sin[:s],
+            use_reentrant=False,
+            context_fn=lambda: create_selective_checkpoint_contexts(policy),
+        )
     measured = x.nbytes + sum(t.untyped_storage().nbytes() for t in kept)
     assert measured == layer_activation_bytes_per_token(ARGS, 2, 1, "selective") * b * s
 
@@ -260,8 +266,12 @@ def test_dispatch_overhead_is_paid_per_micro_batch_on_cpu_and_hidden_on_big_gpu_
     assert eight.step_s - one.step_s == pytest.approx(7 * ops * cpu.op_overhead_s, rel=1e-6)
     # a GPU dispatches ahead of its kernels: nothing shows for an 8B model, the host shows for a tiny one
     h100 = make_cluster("h100-sxm", 8)
-    big = evaluate_layout(Workload("llama-8b", preset_spec("llama-8b").shape(), 8192, 8),
-                          h100, Layout(1, 8, 1, 1, 1, 1, 1, "full", "bf16", "none"))
-    small = evaluate_layout(Workload("tiny", preset_spec("tiny").shape(), 64, 8), h100,
-                            Layout(8, 1, 1, 1, 1, 1, 1, "none", "bf16", "none"))
+    big = evaluate_layout(
+        Workload("llama-8b", preset_spec("llama-8b").shape(), 8192, 8),
+        h100,
+        Layout(1, 8, 1, 1, 1, 1, 1, "full", "bf16", "none"),
+    )
+    small = evaluate_layout(
+        Workload("tiny", preset_spec("tiny").shape(), 64, 8), h100, Layout(8, 1, 1, 1, 1, 1, 1, "none", "bf16", "none")
+    )
     assert big.time["op dispatch"] == 0.0 and small.time["op dispatch"] > 0.0

@@ -43,11 +43,14 @@ def test_overrides_are_job_config_keys():
     assert parsed["train.global_batch_size"] == 2 * 8 * 32
 
 
-@pytest.mark.parametrize("lay", [
-    Layout(2, 16, 2, 1, 1, 2, 8, "selective", "bf16", "none"),
-    Layout(1, 2, 1, 4, 1, 1, 16, "full", "fp32", "ZBVZeroBubble", 2),
-    Layout(4, 1, 1, 1, 1, 4, 1, "none", "fp16", "none"),
-])
+@pytest.mark.parametrize(
+    "lay",
+    [
+        Layout(2, 16, 2, 1, 1, 2, 8, "selective", "bf16", "none"),
+        Layout(1, 2, 1, 4, 1, 1, 16, "full", "fp32", "ZBVZeroBubble", 2),
+        Layout(4, 1, 1, 1, 1, 4, 1, "none", "fp16", "none"),
+    ],
+)
 def test_a_layout_applies_to_a_config_as_its_printed_overrides_would(lay):
     base = load_config(None, ["train.steps=7"])
     applied = lay.apply(base)

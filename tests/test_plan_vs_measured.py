@@ -9,16 +9,41 @@ from scaletrain.plan import Layout, Workload, evaluate_layout
 
 # `python benchmarks/layouts.py` (tiny model, 4 CPU ranks over gloo, fp32, 30 steps x 16 x 256 tokens), median
 # step ms, noisy shared 2-core machine, 2026-12-02. ddp2_tp2 refused (DDP + TP), tp4 refused (kv heads 2).
-MEASURED_MS = {"ddp4": 231.2, "ddp2_pp2": 244.8, "pp4": 253.9, "fsdp2_pp2": 289.0, "fsdp4": 324.7,
-               "hsdp2x2": 324.8, "tp2_pp2": 551.3, "fsdp2_tp2": 592.8}
+MEASURED_MS = {
+    "ddp4": 231.2,
+    "ddp2_pp2": 244.8,
+    "pp4": 253.9,
+    "fsdp2_pp2": 289.0,
+    "fsdp4": 324.7,
+    "hsdp2x2": 324.8,
+    "tp2_pp2": 551.3,
+    "fsdp2_tp2": 592.8,
+}
 # (dp_replicate, dp_shard, tp, pp) of each benchmarks/layouts.py name
-DEGREES = {"ddp4": (4, 1, 1, 1), "ddp2_pp2": (2, 1, 1, 2), "pp4": (1, 1, 1, 4), "fsdp2_pp2": (1, 2, 1, 2),
-           "fsdp4": (1, 4, 1, 1), "hsdp2x2": (2, 2, 1, 1), "tp2_pp2": (1, 1, 2, 2), "fsdp2_tp2": (1, 2, 2, 1)}
+DEGREES = {
+    "ddp4": (4, 1, 1, 1),
+    "ddp2_pp2": (2, 1, 1, 2),
+    "pp4": (1, 1, 1, 4),
+    "fsdp2_pp2": (1, 2, 1, 2),
+    "fsdp4": (1, 4, 1, 1),
+    "hsdp2x2": (2, 2, 1, 1),
+    "tp2_pp2": (1, 1, 2, 2),
+    "fsdp2_tp2": (1, 2, 2, 1),
+}
 # Representative figures of that host as `scaletrain bench` measures them (2026-12-02, while a CI run was going):
 # fp32 512^3 matmul 175 GFLOP/s and copy 16 GB/s on one thread, halved as 4 ranks share 2 cores; gloo all-reduce
 # busbw 0.46 GB/s over 4 ranks (4 MiB).
-CALIBRATION = Calibration(device="cpu", host="ci-2core", ranks=4, matmul_flops=175e9 / 2, matmul_dtype="float32",
-                          memory_bw=16e9 / 2, allreduce_busbw=0.46e9, memory_bytes=None, torch_version="2.13.0")
+CALIBRATION = Calibration(
+    device="cpu",
+    host="ci-2core",
+    ranks=4,
+    matmul_flops=175e9 / 2,
+    matmul_dtype="float32",
+    memory_bw=16e9 / 2,
+    allreduce_busbw=0.46e9,
+    memory_bytes=None,
+    torch_version="2.13.0",
+)
 
 
 def layout_of(name: str, global_batch: int = 16) -> Layout:

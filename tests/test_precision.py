@@ -23,12 +23,15 @@ def fp32_losses(tmp_path_factory) -> list[float]:
     return runner_losses(out / "fp32")
 
 
-@pytest.mark.parametrize("dtype, layout", [
-    ("bf16", "parallel.dp_shard=2"),
-    ("bf16", "parallel.dp_replicate=2"),
-    ("fp16", "parallel.dp_shard=2"),
-    ("fp16", "parallel.dp_replicate=2"),
-])
+@pytest.mark.parametrize(
+    "dtype, layout",
+    [
+        ("bf16", "parallel.dp_shard=2"),
+        ("bf16", "parallel.dp_replicate=2"),
+        ("fp16", "parallel.dp_shard=2"),
+        ("fp16", "parallel.dp_replicate=2"),
+    ],
+)
 def test_low_precision_trains(tmp_path, dtype, layout, fp32_losses):
     run_cli(["train", *FAST, *STEPS, f"precision.dtype={dtype}", layout, "run.name=p"], tmp_path)
     records = read_jsonl(tmp_path / "runs/p/metrics.jsonl")

@@ -16,8 +16,19 @@ def _run(args, nproc):
     if nproc == 1:
         cmd = [sys.executable, str(EXAMPLE), *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
-               "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(EXAMPLE), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            str(EXAMPLE),
+            *args,
+        ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]

@@ -28,8 +28,19 @@ def _job(optimizer_cls=torch.optim.SGD, grad_clip=0.0, dtype="fp32", **opt_kw):
         model.bias.fill_(0.5)
     opt = optimizer_cls(model.parameters(), lr=1.0, **opt_kw)
     scaler = make_scaler(ONE, dtype, CPU, init_scale=1024.0, growth_interval=1000)
-    return Job(model=model, optimizer=opt, dims=ONE, mesh=build_mesh(ONE, "cpu"), device=CPU, rank=0,
-               world_size=1, dp_rank=0, dtype=dtype, grad_clip=grad_clip, scaler=scaler)
+    return Job(
+        model=model,
+        optimizer=opt,
+        dims=ONE,
+        mesh=build_mesh(ONE, "cpu"),
+        device=CPU,
+        rank=0,
+        world_size=1,
+        dp_rank=0,
+        dtype=dtype,
+        grad_clip=grad_clip,
+        scaler=scaler,
+    )
 
 
 def _params(job):
@@ -97,6 +108,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
 
 # --- the gradient norm over shards: 2 gloo ranks, every case in one launch ---
 
+
 def _norm_worker(rank: int, world: int, port: int, full: dict, out) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -143,8 +155,12 @@ def test_global_grad_norm_over_fsdp_and_tp_shards_equals_the_full_gradients_norm
     import torch.multiprocessing as mp
 
     gen = torch.Generator().manual_seed(0)
-    full = {"w1": torch.randn(5, 3, generator=gen), "w2": torch.randn(4, 6, generator=gen),
-            "b": torch.randn(6, generator=gen), "n": torch.randn(3, generator=gen)}
+    full = {
+        "w1": torch.randn(5, 3, generator=gen),
+        "w2": torch.randn(4, 6, generator=gen),
+        "b": torch.randn(6, generator=gen),
+        "n": torch.randn(3, generator=gen),
+    }
     q = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_norm_worker, args=(2, _free_port(), full, q), nprocs=2, join=True, start_method="spawn")
     got = dict(q.get() for _ in range(2))
@@ -152,14 +168,19 @@ def test_global_grad_norm_over_fsdp_and_tp_shards_equals_the_full_gradients_norm
     def norm(*names):
         return torch.linalg.vector_norm(torch.cat([full[n].flatten() for n in names])).item()
 
-    want = {"fsdp": norm("w1", "w2", "b"), "tp": norm("w1", "w2", "b", "n"), "partial": norm("w1"),
-            "pp": norm("w1", "w2", "b")}
+    want = {
+        "fsdp": norm("w1", "w2", "b"),
+        "tp": norm("w1", "w2", "b", "n"),
+        "partial": norm("w1"),
+        "pp": norm("w1", "w2", "b"),
+    }
     for rank in (0, 1):  # every rank gets the same global norm (it decides clipping and NaN skips alike)
         for case, value in want.items():
             assert got[rank][case] == pytest.approx(value, rel=1e-6, abs=0), (rank, case)
 
 
 # --- the learning-rate schedule ---
+
 
 def _cfg(**kw):
     return TrainConfig(**{"steps": 10, "warmup_steps": 4, "min_lr_ratio": 0.1, **kw})
@@ -170,8 +191,9 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_min_lr_ratio_on_the_last_s
     cosine = [lr_factor(s, _cfg()) for s in range(10)]
     assert cosine[:4] == pytest.approx(warmup, abs=1e-12)
     # after warmup, progress (step - 4) / 5 over steps 4..9; cosine: 0.1 + 0.9 * (1 + cos(pi * progress)) / 2
-    assert cosine[4:] == pytest.approx([1.0, 0.9140576474687263, 0.6890576474687264, 0.4109423525312737,
-                                        0.18594235253127375, 0.1], abs=1e-12)
+    assert cosine[4:] == pytest.approx(
+        [1.0, 0.9140576474687263, 0.6890576474687264, 0.4109423525312737, 0.18594235253127375, 0.1], abs=1e-12
+    )
     linear = [lr_factor(s, _cfg(schedule="linear")) for s in range(10)]
     assert linear == pytest.approx([*warmup, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1], abs=1e-12)
     constant = [lr_factor(s, _cfg(schedule="constant")) for s in range(10)]

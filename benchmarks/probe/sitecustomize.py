@@ -42,10 +42,15 @@ def _on_step(optimizer, args, kwargs) -> None:
         import torch
 
         rank = int(os.environ.get("RANK", -1))
-        _state.update(id=id(optimizer), file=open(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.jsonl"), "w",
-                                                  buffering=1))
-        _state["file"].write(json.dumps({"rank": rank, "pid": os.getpid(), "first_step_unix": time.time(),
-                                         "threads": torch.get_num_threads()}) + "\n")
+        _state.update(
+            id=id(optimizer), file=open(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.jsonl"), "w", buffering=1)
+        )
+        _state["file"].write(
+            json.dumps(
+                {"rank": rank, "pid": os.getpid(), "first_step_unix": time.time(), "threads": torch.get_num_threads()}
+            )
+            + "\n"
+        )
     if id(optimizer) == _state["id"]:
         _state["file"].write(f"[{now}, {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}]\n")
         if _PROFILE:
@@ -124,8 +129,9 @@ class _HookOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 if _DIR:
-    sys.meta_path.insert(0, _HookOnImport("torch.optim.optimizer",
-                                          lambda m: m.register_optimizer_step_post_hook(_on_step)))
+    sys.meta_path.insert(
+        0, _HookOnImport("torch.optim.optimizer", lambda m: m.register_optimizer_step_post_hook(_on_step))
+    )
 if _EVENTS:
     sys.meta_path.insert(0, _HookOnImport("torch.distributed", _time_process_group))
     sys.meta_path.insert(0, _HookOnImport("scaletrain.checkpoint.manager", _time_restore))

@@ -29,8 +29,9 @@ from scaletrain.train.job import Job, make_scaler, rebind_optimizer
 DataParallel = Literal["auto", "none", "ddp", "fsdp", "hsdp"]
 
 
-def _parallel_config(data_parallel: DataParallel, world: int, dp_replicate: int | None,
-                     reshard_after_forward: bool) -> ParallelConfig:
+def _parallel_config(
+    data_parallel: DataParallel, world: int, dp_replicate: int | None, reshard_after_forward: bool
+) -> ParallelConfig:
     mode = data_parallel
     if mode == "auto":
         mode = "ddp" if world > 1 else "none"
@@ -44,17 +45,27 @@ def _parallel_config(data_parallel: DataParallel, world: int, dp_replicate: int 
         return ParallelConfig(dp_replicate=1, dp_shard=world, fsdp_reshard_after_forward=reshard_after_forward)
     if mode == "hsdp":
         if not dp_replicate or dp_replicate < 2 or world % dp_replicate:
-            raise ValueError(f"dp_replicate: HSDP needs a replica count >= 2 dividing the world size {world} "
-                             f"(got {dp_replicate})")
-        return ParallelConfig(dp_replicate=dp_replicate, dp_shard=world // dp_replicate,
-                              fsdp_reshard_after_forward=reshard_after_forward)
+            raise ValueError(
+                f"dp_replicate: HSDP needs a replica count >= 2 dividing the world size {world} (got {dp_replicate})"
+            )
+        return ParallelConfig(
+            dp_replicate=dp_replicate, dp_shard=world // dp_replicate, fsdp_reshard_after_forward=reshard_after_forward
+        )
     raise ValueError(f"data_parallel: unknown mode {data_parallel!r}; use auto, none, ddp, fsdp or hsdp")
 
 
-def setup(model: nn.Module, optimizer: torch.optim.Optimizer, *, data_parallel: DataParallel = "auto",
-          precision: PrecisionName = "fp32", dp_replicate: int | None = None,
-          reshard_after_forward: bool = True, grad_clip: float = 0.0,
-          device: Literal["auto", "cpu", "cuda"] = "auto", timeout_s: float = 600.0) -> Job:
+def setup(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    data_parallel: DataParallel = "auto",
+    precision: PrecisionName = "fp32",
+    dp_replicate: int | None = None,
+    reshard_after_forward: bool = True,
+    grad_clip: float = 0.0,
+    device: Literal["auto", "cpu", "cuda"] = "auto",
+    timeout_s: float = 600.0,
+) -> Job:
     """Join the process group, move and wrap `model` for the chosen data parallelism, and return a Job.
 
     data_parallel: 'auto' (DDP on several ranks, nothing on one), 'ddp', 'fsdp' (FSDP2, every block sharded),
@@ -73,5 +84,16 @@ def setup(model: nn.Module, optimizer: torch.optim.Optimizer, *, data_parallel: 
         optimizer = rebind_optimizer(optimizer, names, model)
     scaler = make_scaler(dims, precision, rt.device, 2.0**16, 2000)
     dp_rank, _ = dp_coordinates(dims, mesh)
-    return Job(model=model, optimizer=optimizer, dims=dims, mesh=mesh, device=rt.device, rank=rt.rank,
-               world_size=rt.world_size, dp_rank=dp_rank, dtype=precision, grad_clip=grad_clip, scaler=scaler)
+    return Job(
+        model=model,
+        optimizer=optimizer,
+        dims=dims,
+        mesh=mesh,
+        device=rt.device,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        dp_rank=dp_rank,
+        dtype=precision,
+        grad_clip=grad_clip,
+        scaler=scaler,
+    )

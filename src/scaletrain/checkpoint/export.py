@@ -32,8 +32,10 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpe
 
     manifest = read_manifest(ckpt)
     if manifest is None or not ("model_spec" in manifest or "model_args" in manifest):
-        raise ValueError(f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json with the model); "
-                         f"pick a step_NNNNNNNN folder listed by `scaletrain ckpt ls`")
+        raise ValueError(
+            f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json with the model); "
+            f"pick a step_NNNNNNNN folder listed by `scaletrain ckpt ls`"
+        )
     spec = manifest_spec(manifest)
     model = spec.build("meta")
     model.to_empty(device="cpu")

@@ -77,8 +77,7 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str
     rename = _plain_key if staged else plain_param_name
     m_back = {rename(k): k for k in model_sd}
     o_back = {rename(k): k for k in optim_sd}
-    return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()},
-            m_back, o_back)
+    return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()}, m_back, o_back)
 
 
 @dataclass(frozen=True)
@@ -124,8 +123,10 @@ class CheckpointManager:
 
     def minutes_due(self) -> bool:
         """Rank-local: has interval_minutes passed since the last save? (the loop agrees across ranks)"""
-        return self.cfg.interval_minutes > 0 and \
-            time.monotonic() - self._last_save_time >= 60.0 * self.cfg.interval_minutes
+        return (
+            self.cfg.interval_minutes > 0
+            and time.monotonic() - self._last_save_time >= 60.0 * self.cfg.interval_minutes
+        )
 
     def save(self, step: int, model, optimizer, trainer_state: dict, sync: bool = False) -> None:
         """Save every rank's shard and the trainer state for `step`; async unless sync or configured sync."""
@@ -135,8 +136,7 @@ class CheckpointManager:
         self._saved_step = step
         final = self.root / step_dir_name(step)
         if final.exists() and self.rank == 0:  # an earlier run's: replaced atomically at commit, never skipped
-            log.warning("checkpoint: %s exists from an earlier run; it will be replaced by this run's save",
-                        final.name)
+            log.warning("checkpoint: %s exists from an earlier run; it will be replaced by this run's save", final.name)
         partial = self.root / (step_dir_name(step) + ".partial")
         if self.rank == 0:
             partial.mkdir(parents=True, exist_ok=True)
@@ -178,7 +178,7 @@ class CheckpointManager:
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
             return
-        for old in list_checkpoints(self.root)[self.cfg.keep:]:
+        for old in list_checkpoints(self.root)[self.cfg.keep :]:
             shutil.rmtree(old, ignore_errors=True)
 
     def latest_good(self) -> Path | None:
@@ -207,8 +207,13 @@ class CheckpointManager:
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         load_dcp(state, path)
-        set_state_dict(model, optimizer, model_state_dict={m_back[k]: v for k, v in state["model"].items()},
-                       optim_state_dict={o_back[k]: v for k, v in state["optim"].items()}, options=OPTIONS)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict={m_back[k]: v for k, v in state["model"].items()},
+            optim_state_dict={o_back[k]: v for k, v in state["optim"].items()},
+            options=OPTIONS,
+        )
         trainer = json.loads((path / "trainer.json").read_text())
         manifest = json.loads((path / "manifest.json").read_text())
         rng = path / f"rng_rank{self.rank}.json"

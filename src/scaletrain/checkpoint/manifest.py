@@ -130,11 +130,19 @@ def verify(path: Path, checksums: bool = True, metadata: bool | None = None) -> 
     key = os.environ.get(KEY_ENV)
     if key:
         if "hmac" not in manifest:
-            return Verdict(path, False, f"manifest.json is not signed but {KEY_ENV} is set (saved without the key, "
-                                        "or rewritten)", manifest)
+            return Verdict(
+                path,
+                False,
+                f"manifest.json is not signed but {KEY_ENV} is set (saved without the key, or rewritten)",
+                manifest,
+            )
         if not hmac.compare_digest(str(manifest["hmac"]), _signature(manifest, key)):
-            return Verdict(path, False, f"manifest.json signature does not match {KEY_ENV} (tampered, or saved "
-                                        "with another key)", manifest)
+            return Verdict(
+                path,
+                False,
+                f"manifest.json signature does not match {KEY_ENV} (tampered, or saved with another key)",
+                manifest,
+            )
     listed = set(manifest["files"])
     for p in path.iterdir():
         if p.name not in listed and p.name != MANIFEST:
@@ -146,8 +154,9 @@ def verify(path: Path, checksums: bool = True, metadata: bool | None = None) -> 
         if not f.is_file():
             return Verdict(path, False, f"{name} is missing", manifest)
         if f.stat().st_size != meta["bytes"]:
-            return Verdict(path, False, f"{name} has {f.stat().st_size} bytes, manifest says {meta['bytes']} "
-                                        "(truncated)", manifest)
+            return Verdict(
+                path, False, f"{name} has {f.stat().st_size} bytes, manifest says {meta['bytes']} (truncated)", manifest
+            )
         if checksums and sha256_file(f) != meta["sha256"]:
             return Verdict(path, False, f"{name} fails its sha256 checksum (corrupted)", manifest)
     if checksums if metadata is None else metadata:

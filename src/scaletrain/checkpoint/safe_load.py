@@ -20,14 +20,25 @@ METADATA_FILE = ".metadata"
 # (module, name) pairs torch 2.13's DCP writes into `.metadata` (found by tracing find_class on checkpoints of
 # every layout scaletrain saves: DDP, FSDP2, TP, PP): its own dataclasses, torch.Size, dtypes, layouts, paths.
 _ALLOWED = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # torch.layout's reducer: a lookup by name in a cache of layouts
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
 }
 
@@ -50,9 +61,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if isinstance(value, torch.dtype):
                 return value
-        raise UnsafeCheckpoint(f"{self._where}: refuses to unpickle {module}.{name} (checkpoint metadata holds "
-                               f"only torch.distributed.checkpoint's own classes); this folder was not written by "
-                               f"scaletrain or was tampered with, do not load it")
+        raise UnsafeCheckpoint(
+            f"{self._where}: refuses to unpickle {module}.{name} (checkpoint metadata holds "
+            f"only torch.distributed.checkpoint's own classes); this folder was not written by "
+            f"scaletrain or was tampered with, do not load it"
+        )
 
 
 def read_dcp_metadata(stream, where: str):
@@ -99,9 +112,10 @@ def _reader_and_planner(path: Path):
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
                 why = next((line.strip() for line in str(e).splitlines() if "unsupported" in line.lower()), "")
-                raise UnsafeCheckpoint(f"{path.name}: refuses a non-tensor value of {read_item.dest_index.fqn!r} "
-                                       f"that is not plain data ({why or 'refused by the weights_only unpickler'})"
-                                       ) from None
+                raise UnsafeCheckpoint(
+                    f"{path.name}: refuses a non-tensor value of {read_item.dest_index.fqn!r} "
+                    f"that is not plain data ({why or 'refused by the weights_only unpickler'})"
+                ) from None
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._traverse import set_element  # what the default uses (torch 2.13)
 

@@ -47,8 +47,12 @@ def ckpt() -> None:
 
 @ckpt.command("ls")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--verify", "deep", is_flag=True,
-              help="Also read every file against its sha256 and check the metadata (slow for large checkpoints).")
+@click.option(
+    "--verify",
+    "deep",
+    is_flag=True,
+    help="Also read every file against its sha256 and check the metadata (slow for large checkpoints).",
+)
 def ls_cmd(path: Path, deep: bool) -> None:
     """List checkpoints: step, time, size, layout, world size, status.
 
@@ -62,12 +66,29 @@ def ls_cmd(path: Path, deep: bool) -> None:
         verdict = verify(p, checksums=deep)
         when = datetime.datetime.fromtimestamp(m["time"]).strftime("%Y-%m-%d %H:%M:%S") if m else "-"
         good = "verified (sha256, metadata)" if deep else "sizes ok, not verified (ckpt verify)"
-        rows.append((p.name, str(m["step"]) if m else "?", when, f"{m['bytes'] / 1e6:.1f} MB" if m else "-",
-                     m.get("layout", "-") if m else "-", str(m.get("world_size", "-")) if m else "-",
-                     good if verdict.ok else f"BAD: {verdict.problem}"))
+        rows.append(
+            (
+                p.name,
+                str(m["step"]) if m else "?",
+                when,
+                f"{m['bytes'] / 1e6:.1f} MB" if m else "-",
+                m.get("layout", "-") if m else "-",
+                str(m.get("world_size", "-")) if m else "-",
+                good if verdict.ok else f"BAD: {verdict.problem}",
+            )
+        )
     for p in set_aside_dirs(root):
-        rows.append((p.name, p.name[5:13].lstrip("0") or "0", "-", "-", "-", "-",
-                     "set aside: failed verification when a resume looked at it; never loaded"))
+        rows.append(
+            (
+                p.name,
+                p.name[5:13].lstrip("0") or "0",
+                "-",
+                "-",
+                "-",
+                "-",
+                "set aside: failed verification when a resume looked at it; never loaded",
+            )
+        )
     for p in partial_dirs(root):
         rows.append((p.name, "?", "-", "-", "-", "-", "incomplete (never committed)"))
     if not rows:
@@ -94,8 +115,14 @@ def verify_cmd(path: Path) -> None:
 
 @ckpt.command("export")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch"]), default="safetensors",
-              show_default=True, help="hf: a transformers LlamaForCausalLM folder.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "hf", "torch"]),
+    default="safetensors",
+    show_default=True,
+    help="hf: a transformers LlamaForCausalLM folder.",
+)
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (created).")
 def export_cmd(path: Path, fmt: str, out: Path) -> None:
     """Consolidate a checkpoint (default: the newest good one) into one file set."""

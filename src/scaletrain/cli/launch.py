@@ -29,8 +29,10 @@ def _prepare(cfg, nodes: int, gpus_per_node: int, ranks: int, output_dir: str | 
         if gpus_per_node == 0 and cfg.run.device == "auto":
             cfg.run.device = "cpu"  # no GPU requested: CPU ranks over gloo even where the nodes have GPUs
         if gpus_per_node > 0 and cfg.run.device == "cpu":
-            raise ValueError(f"--gpus-per-node: {gpus_per_node} GPUs requested for run.device=cpu; "
-                             f"use --gpus-per-node 0 or run.device=cuda")
+            raise ValueError(
+                f"--gpus-per-node: {gpus_per_node} GPUs requested for run.device=cpu; "
+                f"use --gpus-per-node 0 or run.device=cuda"
+            )
         cfg.launch.nnodes = nodes
         cfg.launch.nproc_per_node = ranks
         cfg.run.output_dir = output_dir or str(Path(cfg.run.output_dir).resolve())
@@ -58,26 +60,65 @@ def launch() -> None:
 @click.option("--cpus-per-node", type=int, default=None, help="CPUs for each node's agent and its ranks.")
 @click.option("--mem", default=None, help="Memory per node, Slurm format (e.g. 200G).")
 @click.option("--job-name", default=None, help="Default: scaletrain-RUN_NAME.")
-@click.option("--signal-lead", type=int, default=120, show_default=True,
-              help="Seconds before the time limit at which the job is told to checkpoint (SIGUSR1).")
+@click.option(
+    "--signal-lead",
+    type=int,
+    default=120,
+    show_default=True,
+    help="Seconds before the time limit at which the job is told to checkpoint (SIGUSR1).",
+)
 @click.option("--port", type=int, default=None, help="Fixed rendezvous port (default: derived from the job id).")
 @click.option("--sbatch", "extra_sbatch", multiple=True, help="Extra sbatch option, e.g. --sbatch=--exclusive.")
 @click.option("--python", default=sys.executable, show_default=True, help="Python on the compute nodes.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for job.sbatch and job.toml (default: RUN_DIR/slurm).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for job.sbatch and job.toml (default: RUN_DIR/slurm).",
+)
 @click.option("--submit", is_flag=True, help="Submit with sbatch and print the job id.")
-def slurm(args, nodes, gpus_per_node, nproc_per_node, partition, account, qos, time_limit, constraint,
-          cpus_per_node, mem, job_name, signal_lead, port, extra_sbatch, python, out, submit) -> None:
+def slurm(
+    args,
+    nodes,
+    gpus_per_node,
+    nproc_per_node,
+    partition,
+    account,
+    qos,
+    time_limit,
+    constraint,
+    cpus_per_node,
+    mem,
+    job_name,
+    signal_lead,
+    port,
+    extra_sbatch,
+    python,
+    out,
+    submit,
+) -> None:
     """Write (and with --submit, submit) an sbatch script: `launch slurm [CONFIG.toml] [key=value ...] --nodes N`."""
     from scaletrain.config import to_toml
     from scaletrain.launch.slurm import SlurmOptions, bash_syntax_ok, check_options, render_sbatch
     from scaletrain.launch.slurm import submit as sbatch_submit
 
     cfg = _load(args)
-    opts = SlurmOptions(nodes=nodes, gpus_per_node=gpus_per_node, nproc_per_node=nproc_per_node,
-                        job_name=job_name or f"scaletrain-{cfg.run.name}", partition=partition, account=account,
-                        qos=qos, time=time_limit, constraint=constraint, cpus_per_node=cpus_per_node, mem=mem,
-                        signal_lead_s=signal_lead, port=port, extra_sbatch=list(extra_sbatch))
+    opts = SlurmOptions(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node,
+        job_name=job_name or f"scaletrain-{cfg.run.name}",
+        partition=partition,
+        account=account,
+        qos=qos,
+        time=time_limit,
+        constraint=constraint,
+        cpus_per_node=cpus_per_node,
+        mem=mem,
+        signal_lead_s=signal_lead,
+        port=port,
+        extra_sbatch=list(extra_sbatch),
+    )
     try:
         check_options(opts)
     except ValueError as e:
@@ -86,8 +127,7 @@ def slurm(args, nodes, gpus_per_node, nproc_per_node, partition, account, qos, t
     out = (out or cfg.run_dir() / "slurm").resolve()
     out.mkdir(parents=True, exist_ok=True)
     config_path, script_path = out / "job.toml", out / "job.sbatch"
-    script = render_sbatch(config_path, opts, workdir=Path.cwd(), output=cfg.run_dir() / "slurm-%j.out",
-                           python=python)
+    script = render_sbatch(config_path, opts, workdir=Path.cwd(), output=cfg.run_dir() / "slurm-%j.out", python=python)
     ok, msg = bash_syntax_ok(script)
     if not ok:  # a bug in the renderer, never the user's input: say so rather than write a broken script
         raise RuntimeError(f"rendered sbatch script fails bash -n: {msg}")
@@ -122,14 +162,44 @@ def slurm(args, nodes, gpus_per_node, nproc_per_node, partition, account, qos, t
 @click.option("--runai-project", default=None, help="Run:AI project (the runai/queue label).")
 @click.option("--env", "env", multiple=True, help="KEY=VALUE for every pod (e.g. NCCL_SOCKET_IFNAME=eth0).")
 @click.option("--k8s-version", default=None, help="Kubernetes schema version to validate against.")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for the manifests (default: RUN_DIR/k8s).")
-def k8s(args, image, nodes, gpus_per_node, nproc_per_node, min_nodes, max_restarts, name, namespace, shm_size,
-        cpu, memory, pvc, scheduler_name, runai_project, env, k8s_version, out) -> None:
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for the manifests (default: RUN_DIR/k8s).",
+)
+def k8s(
+    args,
+    image,
+    nodes,
+    gpus_per_node,
+    nproc_per_node,
+    min_nodes,
+    max_restarts,
+    name,
+    namespace,
+    shm_size,
+    cpu,
+    memory,
+    pvc,
+    scheduler_name,
+    runai_project,
+    env,
+    k8s_version,
+    out,
+) -> None:
     """Write a validated Kubeflow PyTorchJob and Trainer v2 TrainJob (each with its ConfigMap)."""
     from scaletrain.config import to_toml
-    from scaletrain.launch.kubernetes import (K8S_VERSION, RUNS_MOUNT, K8sOptions, ManifestError, build_manifests,
-                                              check_options, job_name_for, to_yaml)
+    from scaletrain.launch.kubernetes import (
+        K8S_VERSION,
+        RUNS_MOUNT,
+        K8sOptions,
+        ManifestError,
+        build_manifests,
+        check_options,
+        job_name_for,
+        to_yaml,
+    )
 
     cfg = _load(args)
     env_map = {}
@@ -138,11 +208,24 @@ def k8s(args, image, nodes, gpus_per_node, nproc_per_node, min_nodes, max_restar
         if not eq:
             fail(f"--env: {item!r} must look like KEY=VALUE")
         env_map[key] = value
-    opts = K8sOptions(image=image, nodes=nodes, gpus_per_node=gpus_per_node, nproc_per_node=nproc_per_node,
-                      name=name or job_name_for(cfg.run.name), namespace=namespace, min_nodes=min_nodes,
-                      max_restarts=max_restarts, shm_size=shm_size, cpu=cpu, memory=memory, pvc=pvc,
-                      scheduler_name=scheduler_name, runai_project=runai_project, env=env_map,
-                      k8s_version=k8s_version or K8S_VERSION)
+    opts = K8sOptions(
+        image=image,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node,
+        name=name or job_name_for(cfg.run.name),
+        namespace=namespace,
+        min_nodes=min_nodes,
+        max_restarts=max_restarts,
+        shm_size=shm_size,
+        cpu=cpu,
+        memory=memory,
+        pvc=pvc,
+        scheduler_name=scheduler_name,
+        runai_project=runai_project,
+        env=env_map,
+        k8s_version=k8s_version or K8S_VERSION,
+    )
     try:
         check_options(opts)
     except ManifestError as e:
@@ -158,18 +241,23 @@ def k8s(args, image, nodes, gpus_per_node, nproc_per_node, min_nodes, max_restar
     out.mkdir(parents=True, exist_ok=True)
     for filename, docs in manifests.items():
         (out / filename).write_text(to_yaml(docs))
-    click.echo(f"wrote {out / 'pytorchjob.yaml'} (training-operator v1) and {out / 'trainjob.yaml'} "
-               f"(Trainer v2), validated against Kubernetes {opts.k8s_version}\n"
-               f"apply with: kubectl apply -f {out / 'pytorchjob.yaml'}")
+    click.echo(
+        f"wrote {out / 'pytorchjob.yaml'} (training-operator v1) and {out / 'trainjob.yaml'} "
+        f"(Trainer v2), validated against Kubernetes {opts.k8s_version}\n"
+        f"apply with: kubectl apply -f {out / 'pytorchjob.yaml'}"
+    )
     if not pvc:
-        click.echo("note: without --pvc, checkpoints live in the pod and are lost when a pod is replaced",
-                   err=True)
+        click.echo("note: without --pvc, checkpoints live in the pod and are lost when a pod is replaced", err=True)
 
 
 @launch.command("container", context_settings={"ignore_unknown_options": False})
 @click.argument("args", nargs=-1)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Build context folder (default: RUN_DIR/container).")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Build context folder (default: RUN_DIR/container).",
+)
 def container(args, out) -> None:
     """Write a Dockerfile and an Apptainer definition pinned to this Python, torch and CUDA."""
     from scaletrain.config import to_toml
@@ -181,9 +269,11 @@ def container(args, out) -> None:
     out = (out or run_dir / "container").resolve()
     pins = current_pins()
     write_build_context(out, to_toml(cfg), pins)
-    click.echo(f"wrote a build context in {out}: Dockerfile, scaletrain.def, requirements.txt, job.toml, src/\n"
-               f"pinned: python {pins.python}, torch {pins.torch}, CUDA {pins.cuda or 'none (CPU build)'}\n"
-               f"docker:    docker build -t scaletrain-{cfg.run.name} {out} && "
-               f"docker run --gpus all --ipc=host scaletrain-{cfg.run.name}\n"
-               f"apptainer: cd {out} && apptainer build scaletrain.sif scaletrain.def && "
-               f"apptainer run --nv scaletrain.sif")
+    click.echo(
+        f"wrote a build context in {out}: Dockerfile, scaletrain.def, requirements.txt, job.toml, src/\n"
+        f"pinned: python {pins.python}, torch {pins.torch}, CUDA {pins.cuda or 'none (CPU build)'}\n"
+        f"docker:    docker build -t scaletrain-{cfg.run.name} {out} && "
+        f"docker run --gpus all --ipc=host scaletrain-{cfg.run.name}\n"
+        f"apptainer: cd {out} && apptainer build scaletrain.sif scaletrain.def && "
+        f"apptainer run --nv scaletrain.sif"
+    )

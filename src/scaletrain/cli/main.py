@@ -33,14 +33,28 @@ def main() -> None:
 @main.command(context_settings={"ignore_unknown_options": False})
 @click.argument("args", nargs=-1)
 @click.option("--print-config", is_flag=True, help="Print the resolved config as TOML and exit.")
-@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
-              help="Local ranks (default: launch.nproc_per_node; 0 there means all GPUs, or 2 CPU ranks).")
-@click.option("--plan", "plan_mode", default=None, metavar="auto",
-              help="auto: run the planner's fastest layout for this model, batch and the local ranks "
-                   "(key=value overrides still win).")
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Local ranks (default: launch.nproc_per_node; 0 there means all GPUs, or 2 CPU ranks).",
+)
+@click.option(
+    "--plan",
+    "plan_mode",
+    default=None,
+    metavar="auto",
+    help="auto: run the planner's fastest layout for this model, batch and the local ranks "
+    "(key=value overrides still win).",
+)
 @click.option("--calibration", default=None, help="With --plan auto: calibration TOML from `scaletrain bench`.")
-def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None, plan_mode: str | None,
-          calibration: str | None) -> None:
+def train(
+    args: tuple[str, ...],
+    print_config: bool,
+    nproc_per_node: int | None,
+    plan_mode: str | None,
+    calibration: str | None,
+) -> None:
     """Train: `scaletrain train [CONFIG.toml] [section.key=value ...]`.
 
     With no arguments, trains the built-in tiny Llama-style model on this Python's standard library sources
@@ -94,8 +108,10 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         if codes == {EXIT_REQUEUE}:
-            click.echo(f"scaletrain: preempted; a checkpoint was saved, the same command resumes it "
-                       f"(exit {EXIT_REQUEUE})", err=True)
+            click.echo(
+                f"scaletrain: preempted; a checkpoint was saved, the same command resumes it (exit {EXIT_REQUEUE})",
+                err=True,
+            )
             sys.exit(EXIT_REQUEUE)
         # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
         rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
@@ -103,8 +119,11 @@ def train(args: tuple[str, ...], print_config: bool, nproc_per_node: int | None,
         sys.exit(EXIT_FAILED)
     except SignalException as e:
         # the agent was told to stop (scheduler preemption): it sent SIGTERM to the workers, which saved
-        click.echo(f"scaletrain: stopped by {e.sigval.name}; workers checkpoint before exiting, the same command "
-                   f"resumes (exit {EXIT_REQUEUE})", err=True)
+        click.echo(
+            f"scaletrain: stopped by {e.sigval.name}; workers checkpoint before exiting, the same command "
+            f"resumes (exit {EXIT_REQUEUE})",
+            err=True,
+        )
         sys.exit(EXIT_REQUEUE)
 
 
@@ -118,8 +137,11 @@ def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> Jo
     from scaletrain.train.preflight import default_nproc, under_external_launcher
 
     if plan_mode not in PLAN_CHOICES:
-        fail(f"--plan: unknown mode {plan_mode!r}; the only mode is auto" if plan_mode is not None
-             else "--calibration: only used with --plan auto; add --plan auto")
+        fail(
+            f"--plan: unknown mode {plan_mode!r}; the only mode is auto"
+            if plan_mode is not None
+            else "--calibration: only used with --plan auto; add --plan auto"
+        )
     if under_external_launcher():
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         nnodes = max(1, int(os.environ.get("WORLD_SIZE", "1")) // nproc)
@@ -128,8 +150,10 @@ def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> Jo
         nnodes = cfg.launch.nnodes
     gpu = "cpu" if cfg.run.device == "cpu" else detect_host().catalog_gpu
     if gpu == "unknown":
-        fail("--plan auto: this host's GPU is not in the planner's catalog; run `scaletrain plan` with a cluster "
-             "file instead")
+        fail(
+            "--plan auto: this host's GPU is not in the planner's catalog; run `scaletrain plan` with a cluster "
+            "file instead"
+        )
     try:
         chosen = auto_plan(path, overrides, nproc, nnodes, gpu, calibration)
     except (ValueError, CalibrationError, ConfigError) as e:
@@ -146,8 +170,14 @@ def models() -> None:
     for name in presets():
         spec = preset_spec(name)
         a = spec.shape()
-        shape = (f"dim {a.dim:5d}  layers {a.n_layers:3d}  heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  "
-                 f"vocab {a.vocab_size}") if a is not None else f"{spec.args}"
+        shape = (
+            (
+                f"dim {a.dim:5d}  layers {a.n_layers:3d}  heads {a.n_heads:3d}/{a.n_kv_heads:<2d} kv  "
+                f"vocab {a.vocab_size}"
+            )
+            if a is not None
+            else f"{spec.args}"
+        )
         click.echo(f"{name:12s} {spec.num_params() / 1e9:9.3f} B params  {shape}  ({spec.family})")
 
 

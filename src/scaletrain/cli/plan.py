@@ -21,9 +21,12 @@ PLAN_RANGES = {
     "--gpus-per-node": (1, 65536, "at most --gpus"),
     "--seq-len": (2, 2**24, "16.8M tokens, beyond the longest trained contexts"),
     "--global-batch": (1, 2**24, "16.8M sequences, ~1000x the largest published batches"),
-    "--dim": (1, 2**24, "a model dimension"), "--layers": (1, 1024, "~8x the deepest trained models (126 layers)"),
-    "--heads": (1, 2**24, "a model dimension"), "--kv-heads": (1, 2**24, "a model dimension"),
-    "--ffn-dim": (1, 2**24, "a model dimension"), "--vocab": (1, 2**24, "a model dimension"),
+    "--dim": (1, 2**24, "a model dimension"),
+    "--layers": (1, 1024, "~8x the deepest trained models (126 layers)"),
+    "--heads": (1, 2**24, "a model dimension"),
+    "--kv-heads": (1, 2**24, "a model dimension"),
+    "--ffn-dim": (1, 2**24, "a model dimension"),
+    "--vocab": (1, 2**24, "a model dimension"),
     "--top": (1, 1000, "rows in a table a person reads"),
     "--tokens": (1, 2**63 - 1, "a token count that fits in int64"),
 }
@@ -152,22 +155,36 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
     con = _console()
     w, c = result.work, result.cluster
     a = w.args
-    con.print(f"[bold]{w.model_name}[/] ({a.num_params() / 1e9:.2f} B params, {a.n_layers} layers, dim {a.dim}) · "
-              f"seq {w.seq_len} · global batch {w.global_batch} ({w.tokens_per_step:,} tokens/step)")
-    con.print(f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · {c.nodes} node(s) of {c.gpus_per_node} · "
-              f"{c.intra_link.name} inside, {c.inter_link.name} between"
-              + (f" · {c.calibration_note}" if c.calibration_note else ""))
+    con.print(
+        f"[bold]{w.model_name}[/] ({a.num_params() / 1e9:.2f} B params, {a.n_layers} layers, dim {a.dim}) · "
+        f"seq {w.seq_len} · global batch {w.global_batch} ({w.tokens_per_step:,} tokens/step)"
+    )
+    con.print(
+        f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · {c.nodes} node(s) of {c.gpus_per_node} · "
+        f"{c.intra_link.name} inside, {c.inter_link.name} between"
+        + (f" · {c.calibration_note}" if c.calibration_note else "")
+    )
     con.print(f"searched {result.searched:,} layouts in {result.seconds:.2f} s; {result.fitting:,} fit")
     table = Table(show_lines=False)
     for col in ("#", "layout", "mem/GPU GB", "breakdown GB", "step s", "tokens/s", "MFU", "bubble %", "comm %"):
         table.add_column(col, justify="left" if col in ("layout", "breakdown GB") else "right", no_wrap=True)
     for i, r in enumerate(result.rows, 1):
-        table.add_row(str(i), r.layout.describe(), _gb(r.memory_total), _breakdown(r), f"{r.step_s:.3g}",
-                      f"{r.tokens_per_s:,.0f}", f"{r.mfu:.1%}", f"{r.bubble_share:.1%}", f"{r.comm_share:.1%}")
+        table.add_row(
+            str(i),
+            r.layout.describe(),
+            _gb(r.memory_total),
+            _breakdown(r),
+            f"{r.step_s:.3g}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.mfu:.1%}",
+            f"{r.bubble_share:.1%}",
+            f"{r.comm_share:.1%}",
+        )
     con.print(table)
     top = result.rows[0]
-    con.print("[bold]memory of #1 per GPU[/]: " + " · ".join(
-        f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0))
+    con.print(
+        "[bold]memory of #1 per GPU[/]: " + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0)
+    )
     con.print("[bold]run #1 with[/]: " + top.layout.as_overrides())
     con.print("[bold]why #1[/]:")
     for line in top_lines:
@@ -180,29 +197,64 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
     for line in advice:
         con.print(f"  - {line}")
     if budget is not None:
-        con.print(f"[bold]token budget[/]: {_duration(budget.time_to_train_s)}, {budget.gpu_hours:,.0f} GPU-hours, "
-                  f"${budget.cost_usd:,.0f}, {budget.energy_kwh:,.0f} kWh (PUE {c.pue}), "
-                  f"{budget.node_kw:.1f} kW per node, {budget.cluster_kw:.1f} kW in all")
+        con.print(
+            f"[bold]token budget[/]: {_duration(budget.time_to_train_s)}, {budget.gpu_hours:,.0f} GPU-hours, "
+            f"${budget.cost_usd:,.0f}, {budget.energy_kwh:,.0f} kWh (PUE {c.pue}), "
+            f"{budget.node_kw:.1f} kW per node, {budget.cluster_kw:.1f} kW in all"
+        )
 
 
 def _print_compare(budgets, tokens, work) -> None:
     from rich.table import Table
 
     con = _console()
-    con.print(f"[bold]{work.model_name}[/] · {tokens:.3g} tokens · seq {work.seq_len} · global batch "
-              f"{work.global_batch}")
+    con.print(
+        f"[bold]{work.model_name}[/] · {tokens:.3g} tokens · seq {work.seq_len} · global batch {work.global_batch}"
+    )
     table = Table()
-    for col in ("gpu", "gpus", "best layout", "tokens/s", "MFU", "time to train", "GPU-hours", "cost $",
-                "energy kWh", "kW/node", "kW total"):
+    for col in (
+        "gpu",
+        "gpus",
+        "best layout",
+        "tokens/s",
+        "MFU",
+        "time to train",
+        "GPU-hours",
+        "cost $",
+        "energy kWh",
+        "kW/node",
+        "kW total",
+    ):
         table.add_column(col, justify="left" if col in ("gpu", "best layout") else "right", no_wrap=True)
     for b in budgets:
         if not b.fits:
-            table.add_row(b.gpu, str(b.gpus), "does not fit", "-", "-", "-", "-", "-", "-", f"{b.node_kw:.1f}",
-                          f"{b.cluster_kw:.1f}")
+            table.add_row(
+                b.gpu,
+                str(b.gpus),
+                "does not fit",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"{b.node_kw:.1f}",
+                f"{b.cluster_kw:.1f}",
+            )
             continue
-        table.add_row(b.gpu, str(b.gpus), b.layout, f"{b.tokens_per_s:,.0f}", f"{b.mfu:.1%}",
-                      _duration(b.time_to_train_s), f"{b.gpu_hours:,.0f}", f"{b.cost_usd:,.0f}",
-                      f"{b.energy_kwh:,.0f}", f"{b.node_kw:.1f}", f"{b.cluster_kw:.1f}")
+        table.add_row(
+            b.gpu,
+            str(b.gpus),
+            b.layout,
+            f"{b.tokens_per_s:,.0f}",
+            f"{b.mfu:.1%}",
+            _duration(b.time_to_train_s),
+            f"{b.gpu_hours:,.0f}",
+            f"{b.cost_usd:,.0f}",
+            f"{b.energy_kwh:,.0f}",
+            f"{b.node_kw:.1f}",
+            f"{b.cluster_kw:.1f}",
+        )
     con.print(table)
     con.print("prices and node overheads are placeholders unless a cluster file or --usd-per-gpu-hour sets them")
 
@@ -225,8 +277,13 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: min(8192, model max)).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default max(256, gpus)).")
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
-@click.option("--ac", "ac_modes", default="none,selective,full", show_default=True,
-              help="Activation checkpointing modes to search.")
+@click.option(
+    "--ac",
+    "ac_modes",
+    default="none,selective,full",
+    show_default=True,
+    help="Activation checkpointing modes to search.",
+)
 @click.option("--schedules", default=None, help="Pipeline schedules to search (default: all).")
 @click.option("--cp", "cp_text", default=None, help="Context-parallel degrees to search, e.g. 1,2,4 (default: auto).")
 @click.option("--top", type=int, default=10, show_default=True, help="Rows in the table.")
@@ -235,9 +292,34 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.option("--usd-per-gpu-hour", type=float, default=None)
 @click.option("--pue", type=float, default=None, help="Power usage effectiveness (default 1.3, a placeholder).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, gpus, gpu, interconnect,
-         gpus_per_node, cluster_file, calibration, seq_len, global_batch, precisions, ac_modes, schedules, cp_text,
-         top, tokens_text, compare_gpus, usd_per_gpu_hour, pue, as_json) -> None:
+def plan(
+    model,
+    params_text,
+    dim,
+    n_layers,
+    n_heads,
+    n_kv_heads,
+    ffn_dim,
+    vocab_size,
+    gpus,
+    gpu,
+    interconnect,
+    gpus_per_node,
+    cluster_file,
+    calibration,
+    seq_len,
+    global_batch,
+    precisions,
+    ac_modes,
+    schedules,
+    cp_text,
+    top,
+    tokens_text,
+    compare_gpus,
+    usd_per_gpu_hour,
+    pue,
+    as_json,
+) -> None:
     """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
     explained. Example: `scaletrain plan --model llama-8b --gpus 64 --gpu h100-sxm --interconnect nvlink4,ib-ndr`."""
     from scaletrain.config.precisions import PRECISION_NAMES
@@ -249,10 +331,19 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
 
     params = _number(params_text, "--params")
     tokens = _number(tokens_text, "--tokens")
-    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--seq-len", seq_len),
-                        ("--global-batch", global_batch), ("--dim", dim), ("--layers", n_layers),
-                        ("--heads", n_heads), ("--kv-heads", n_kv_heads), ("--ffn-dim", ffn_dim),
-                        ("--vocab", vocab_size), ("--top", top)):
+    for flag, value in (
+        ("--gpus", gpus),
+        ("--gpus-per-node", gpus_per_node),
+        ("--seq-len", seq_len),
+        ("--global-batch", global_batch),
+        ("--dim", dim),
+        ("--layers", n_layers),
+        ("--heads", n_heads),
+        ("--kv-heads", n_kv_heads),
+        ("--ffn-dim", ffn_dim),
+        ("--vocab", vocab_size),
+        ("--top", top),
+    ):
         _in_range(flag, value)
     if pue is not None and not (math.isfinite(pue) and pue >= 1):
         fail(f"--pue: must be a finite number of at least 1.0 (got {pue})")
@@ -288,9 +379,21 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
 
     cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     try:
-        work = _workload(model, params, {"dim": dim, "n_layers": n_layers, "n_heads": n_heads,
-                                         "n_kv_heads": n_kv_heads, "ffn_dim": ffn_dim, "vocab_size": vocab_size},
-                         seq_len, global_batch, cluster.gpus)
+        work = _workload(
+            model,
+            params,
+            {
+                "dim": dim,
+                "n_layers": n_layers,
+                "n_heads": n_heads,
+                "n_kv_heads": n_kv_heads,
+                "ffn_dim": ffn_dim,
+                "vocab_size": vocab_size,
+            },
+            seq_len,
+            global_batch,
+            cluster.gpus,
+        )
     except ValueError as e:
         fail(str(e))
 
@@ -298,14 +401,20 @@ def plan(model, params_text, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_
         if tokens is None:
             fail("--compare-gpus: needs a token budget; add --tokens (e.g. --tokens 1T)")
         try:
-            budgets = compare(work, list(_list(compare_gpus)), cluster.gpus, tokens, opts,
-                              inter_link=cluster.inter_link.name if interconnect and "," in interconnect else None,
-                              usd_per_gpu_hour=usd_per_gpu_hour, pue=pue)
+            budgets = compare(
+                work,
+                list(_list(compare_gpus)),
+                cluster.gpus,
+                tokens,
+                opts,
+                inter_link=cluster.inter_link.name if interconnect and "," in interconnect else None,
+                usd_per_gpu_hour=usd_per_gpu_hour,
+                pue=pue,
+            )
         except ValueError as e:
             fail(str(e).replace("--gpu:", "--compare-gpus:"))
         if not any(b.fits for b in budgets):
-            fail(f"{work.model_name} fits on none of {compare_gpus} with {cluster.gpus} GPUs; "
-                 f"{budgets[0].note}")
+            fail(f"{work.model_name} fits on none of {compare_gpus} with {cluster.gpus} GPUs; {budgets[0].note}")
         if as_json:
             click.echo(json.dumps(compare_dict(work, tokens, budgets), indent=2))
         else:
@@ -346,7 +455,9 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     save_calibration(cal, tmp)
     tmp.replace(out)  # written whole or not at all
-    click.echo(f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
-               f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op, "
-               f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
-               f"over {cal.ranks} ranks -> {output}")
+    click.echo(
+        f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
+        f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op, "
+        f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
+        f"over {cal.ranks} ranks -> {output}"
+    )

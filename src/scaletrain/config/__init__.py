@@ -30,15 +30,43 @@ if TYPE_CHECKING:
         TrainConfig,
     )
 
-_HOME = {"ConfigError": "errors", **dict.fromkeys(
-    ("load_config", "parse_override", "split_config_args", "to_toml", "validate_config"), "load"), **dict.fromkeys(
-    ("CheckpointConfig", "DataConfig", "JobConfig", "LaunchConfig", "ModelConfig", "MonitorConfig", "ParallelConfig",
-     "PrecisionConfig", "RunConfig", "TrainConfig"), "schema")}
+_HOME = {
+    "ConfigError": "errors",
+    **dict.fromkeys(("load_config", "parse_override", "split_config_args", "to_toml", "validate_config"), "load"),
+    **dict.fromkeys(
+        (
+            "CheckpointConfig",
+            "DataConfig",
+            "JobConfig",
+            "LaunchConfig",
+            "ModelConfig",
+            "MonitorConfig",
+            "ParallelConfig",
+            "PrecisionConfig",
+            "RunConfig",
+            "TrainConfig",
+        ),
+        "schema",
+    ),
+}
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "LaunchConfig", "ModelConfig", "MonitorConfig",
-    "ParallelConfig", "PrecisionConfig", "RunConfig", "TrainConfig", "load_config", "parse_override",
-    "split_config_args", "to_toml", "validate_config",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_override",
+    "split_config_args",
+    "to_toml",
+    "validate_config",
 ]
 
 

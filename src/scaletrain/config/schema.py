@@ -34,11 +34,13 @@ class Section(BaseModel):
 
 
 class RunConfig(Section):
-    name: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
-                      description="run name; outputs go to output_dir/name")
+    name: str = Field(
+        "default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$", description="run name; outputs go to output_dir/name"
+    )
     output_dir: str = Field("runs", min_length=1, description="parent folder of run folders")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto: CUDA GPUs with NCCL when present, else CPU ranks with gloo")
+        "auto", description="auto: CUDA GPUs with NCCL when present, else CPU ranks with gloo"
+    )
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seeds model init, data order and dropout")
 
 
@@ -55,14 +57,17 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     source: Literal["stdlib", "tokens", "synthetic"] = Field(
-        "stdlib", description="stdlib: this Python's own standard library sources as bytes; "
-        "tokens: a flat file of token ids (path, token_dtype); synthetic: random tokens")
+        "stdlib",
+        description="stdlib: this Python's own standard library sources as bytes; "
+        "tokens: a flat file of token ids (path, token_dtype); synthetic: random tokens",
+    )
     path: str | None = Field(None, description="token file for source='tokens'")
     token_dtype: Literal["uint8", "uint16", "int32"] = "uint16"
     seq_len: int = Field(256, gt=1, le=MAX_TOKENS_PER_SEQUENCE, description="tokens per sample")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="tail share of the stream held out")
     max_bytes: int = Field(
-        4_000_000, gt=0, le=MAX_STREAM_TOKENS, description="stdlib source: bytes of text read, at most")
+        4_000_000, gt=0, le=MAX_STREAM_TOKENS, description="stdlib source: bytes of text read, at most"
+    )
     synthetic_tokens: int = Field(1_000_000, gt=0, le=MAX_STREAM_TOKENS, description="synthetic source: stream length")
 
     @model_validator(mode="after")
@@ -82,37 +87,53 @@ class ParallelConfig(Section):
     """
 
     dp_replicate: int = Field(
-        1, ge=1, le=MAX_RANKS, description="replicated data-parallel degree (DDP, or HSDP's outer dim)")
+        1, ge=1, le=MAX_RANKS, description="replicated data-parallel degree (DDP, or HSDP's outer dim)"
+    )
     dp_shard: int = Field(-1, ge=-1, le=MAX_RANKS, description="sharded data-parallel degree (FSDP2); -1: the rest")
     tp: int = Field(1, ge=1, le=MAX_RANKS, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline-parallel degree")
     fsdp_reshard_after_forward: bool = Field(
-        True, description="False keeps gathered params from forward to backward (ZeRO-2-like)")
+        True, description="False keeps gathered params from forward to backward (ZeRO-2-like)"
+    )
     ddp_bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size, MiB")
     # tensor parallel
     sequence_parallel: bool = Field(
-        False, description="tp > 1: norms and residuals sharded along the sequence (saves activation memory)")
+        False, description="tp > 1: norms and residuals sharded along the sequence (saves activation memory)"
+    )
     loss_parallel: bool = Field(
-        True, description="tp > 1 without pp: cross-entropy on vocabulary-sharded logits, no logits all-gather")
+        True, description="tp > 1 without pp: cross-entropy on vocabulary-sharded logits, no logits all-gather"
+    )
     tp_plan: Literal["model", "auto"] = Field(
-        "model", description="model: the model's own TP plan; auto: q/k/v/o and MLP linears found by structure")
+        "model", description="model: the model's own TP plan; auto: q/k/v/o and MLP linears found by structure"
+    )
     # pipeline parallel
     pp_schedule: Literal[SCHEDULE_NAMES] = Field(  # type: ignore[valid-type]
-        DEFAULT_SCHEDULE, description="pipeline schedule (torch.distributed.pipelining name)")
+        DEFAULT_SCHEDULE, description="pipeline schedule (torch.distributed.pipelining name)"
+    )
     pp_microbatches: int | None = Field(
-        None, gt=0, le=MAX_SEQUENCES, description="pipeline micro-batches per step and data-parallel rank; "
-        "None: from train.micro_batch_size, else the number of stages")
+        None,
+        gt=0,
+        le=MAX_SEQUENCES,
+        description="pipeline micro-batches per step and data-parallel rank; "
+        "None: from train.micro_batch_size, else the number of stages",
+    )
     pp_stages_per_rank: int | None = Field(
-        None, gt=0, le=MAX_MODEL_DIM, description="pipeline stages per rank; None: 1 for GPipe/1F1B, 2 for the others")
+        None, gt=0, le=MAX_MODEL_DIM, description="pipeline stages per rank; None: 1 for GPipe/1F1B, 2 for the others"
+    )
     pp_balance: Literal["cost", "layers"] = Field(
-        "cost", description="stage split: cost balances estimated FLOPs (embedding and head counted); "
-        "layers: equal layer counts")
+        "cost",
+        description="stage split: cost balances estimated FLOPs (embedding and head counted); "
+        "layers: equal layer counts",
+    )
     # memory and speed
     activation_checkpoint: Literal["none", "selective", "full"] = Field(
-        "none", description="recompute activations in backward: none, selective (see ac_selective) or every block")
+        "none", description="recompute activations in backward: none, selective (see ac_selective) or every block"
+    )
     ac_selective: Literal["op", "layer"] = Field(
-        "op", description="selective: op keeps matmul/attention outputs and recomputes the rest; "
-        "layer checkpoints every ac_every-th block")
+        "op",
+        description="selective: op keeps matmul/attention outputs and recomputes the rest; "
+        "layer checkpoints every ac_every-th block",
+    )
     ac_every: int = Field(2, ge=1, le=MAX_MODEL_DIM, description="selective layer checkpointing: every k-th block")
     compile: bool = Field(False, description="torch.compile each transformer block")
 
@@ -130,24 +151,30 @@ class ParallelConfig(Section):
             raise ValueError("parallel.sequence_parallel: needs parallel.tp > 1")
         v, sched = self.stages_per_rank, pipeline_schedule(self.pp_schedule)
         if sched.placement == "single" and v != 1:
-            raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} runs 1 stage per rank (got {v}); "
-                             f"use Interleaved1F1B for more")
+            raise ValueError(
+                f"parallel.pp_stages_per_rank: {sched.name} runs 1 stage per rank (got {v}); "
+                f"use Interleaved1F1B for more"
+            )
         if sched.v_shaped and v != 2:
             raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} runs exactly 2 stages per rank (got {v})")
         if sched.placement != "single" and v < 2:
             raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} needs >= 2 stages per rank (got {v})")
         if self.compile and self.pp > 1 and sched.split_backward:
-            raise ValueError(f"parallel.compile: {sched.name} splits backward into input and weight parts, which "
-                             f"torch.compile does not support; use 1F1B or Interleaved1F1B")
+            raise ValueError(
+                f"parallel.compile: {sched.name} splits backward into input and weight parts, which "
+                f"torch.compile does not support; use 1F1B or Interleaved1F1B"
+            )
         return self
 
 
 class TrainConfig(Section):
     steps: int = Field(300, gt=0, le=MAX_STEPS, description="optimizer steps")
     global_batch_size: int = Field(
-        16, gt=0, le=MAX_SEQUENCES, description="sequences per optimizer step, all ranks together")
+        16, gt=0, le=MAX_SEQUENCES, description="sequences per optimizer step, all ranks together"
+    )
     micro_batch_size: int | None = Field(
-        None, gt=0, le=MAX_SEQUENCES, description="sequences per rank per forward; None: no accumulation")
+        None, gt=0, le=MAX_SEQUENCES, description="sequences per rank per forward; None: no accumulation"
+    )
     lr: float = Field(3e-3, gt=0.0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="final lr as a share of the peak")
     warmup_steps: int = Field(20, ge=0, le=MAX_STEPS, description="linear warmup; capped at steps")
@@ -160,19 +187,22 @@ class TrainConfig(Section):
     eval_interval: int = Field(100, ge=0, le=MAX_STEPS, description="steps between validation runs; 0: only at the end")
     eval_batches: int = Field(4, gt=0, le=MAX_STEPS, description="validation batches (global_batch_size each) per run")
     nan_policy: Literal["stop", "skip"] = Field(
-        "stop", description="a non-finite loss or gradient: stop with the step, or skip that step's update")
+        "stop", description="a non-finite loss or gradient: stop with the step, or skip that step's update"
+    )
     max_skipped_steps: int = Field(
-        10, ge=0, le=MAX_STEPS, description="nan_policy=skip: stop after this many skipped steps")
+        10, ge=0, le=MAX_STEPS, description="nan_policy=skip: stop after this many skipped steps"
+    )
 
 
 class PrecisionConfig(Section):
-    dtype: PrecisionName = Field(
-        "fp32", description="compute dtype; weights and optimizer states stay fp32")
+    dtype: PrecisionName = Field("fp32", description="compute dtype; weights and optimizer states stay fp32")
     reduce_dtype: Literal[REDUCE_DTYPES] = Field(  # type: ignore[valid-type]
-        "fp32", description="gradient reduction dtype (FSDP)")
+        "fp32", description="gradient reduction dtype (FSDP)"
+    )
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16: initial loss scale")
     loss_scale_growth_interval: int = Field(
-        2000, gt=0, le=MAX_STEPS, description="fp16: good steps before scale doubles")
+        2000, gt=0, le=MAX_STEPS, description="fp16: good steps before scale doubles"
+    )
 
 
 class CheckpointConfig(Section):
@@ -182,50 +212,66 @@ class CheckpointConfig(Section):
     keep: int = Field(3, ge=0, le=MAX_STEPS, description="committed checkpoints kept (newest); 0 keeps all")
     async_save: bool = Field(True, description="write in the background (dcp.async_save) while training goes on")
     async_commit_after_steps: int = Field(
-        2, ge=1, le=MAX_STEPS, description="an async save is awaited and committed this many steps after it started")
+        2, ge=1, le=MAX_STEPS, description="an async save is awaited and committed this many steps after it started"
+    )
     resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
     verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
     dir: str | None = Field(None, description="where checkpoints go; default: the run folder's checkpoints/")
     init_from_hf: str | None = Field(
-        None, description="folder of a Hugging Face Llama checkpoint (safetensors) to start from; a resumable "
-        "checkpoint of this run takes precedence")
+        None,
+        description="folder of a Hugging Face Llama checkpoint (safetensors) to start from; a resumable "
+        "checkpoint of this run takes precedence",
+    )
 
 
 class MonitorConfig(Section):
     log_interval: int = Field(
-        10, gt=0, le=MAX_STEPS, description="steps between loss reports (each costs one all-reduce)")
+        10, gt=0, le=MAX_STEPS, description="steps between loss reports (each costs one all-reduce)"
+    )
     progress: bool = Field(True, description="progress bar on rank 0")
     all_ranks_log: bool = Field(False, description="also show log lines of ranks other than 0")
     breakdown: bool = Field(
-        True, description="step-time breakdown (data, forward, backward, exposed comm, optimizer), MFU, memory and "
-        "straggler spread per rank in every log record (one small all-gather per log step)")
+        True,
+        description="step-time breakdown (data, forward, backward, exposed comm, optimizer), MFU, memory and "
+        "straggler spread per rank in every log record (one small all-gather per log step)",
+    )
     tensorboard: bool = Field(True, description="also write TensorBoard event files to the run's tensorboard/")
     sample_interval_s: float = Field(
-        1.0, ge=0.0, description="seconds between device samples (GPU: NVML; CPU: CPU % and RSS); 0: off")
+        1.0, ge=0.0, description="seconds between device samples (GPU: NVML; CPU: CPU % and RSS); 0: off"
+    )
     nvtx: bool = Field(True, description="CUDA: NVTX ranges around phases, for Nsight Systems timelines")
     profile_at_step: int = Field(
-        0, ge=0, le=MAX_STEPS,
-        description="first step a torch.profiler window records (Chrome trace per rank in profile/); 0: off")
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="first step a torch.profiler window records (Chrome trace per rank in profile/); 0: off",
+    )
     profile_wait: int = Field(1, ge=0, le=MAX_STEPS, description="profiler: idle steps before warmup")
     profile_warmup: int = Field(
-        1, ge=0, le=MAX_STEPS, description="profiler: warm-up steps (recorded, discarded) before the window")
+        1, ge=0, le=MAX_STEPS, description="profiler: warm-up steps (recorded, discarded) before the window"
+    )
     profile_active: int = Field(2, gt=0, le=MAX_STEPS, description="profiler: steps recorded")
     # diagnosis thresholds (percent)
     data_wait_pct: float = Field(10.0, gt=0, description="diagnosis: data-loader bound above this share of a step")
     comm_pct: float = Field(30.0, gt=0, description="diagnosis: communication bound above this share of a step")
     straggler_pct: float = Field(
-        15.0, gt=0, description="diagnosis: straggler when the slowest rank is busy this much above the median")
+        15.0, gt=0, description="diagnosis: straggler when the slowest rank is busy this much above the median"
+    )
     idle_util_pct: float = Field(30.0, gt=0, description="diagnosis: idle GPU below this median utilisation")
     bubble_excess_pct: float = Field(
-        10.0, gt=0, description="diagnosis: pipeline bubble this many points above the schedule's prediction")
+        10.0, gt=0, description="diagnosis: pipeline bubble this many points above the schedule's prediction"
+    )
     memory_headroom_pct: float = Field(
-        50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch")
+        50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch"
+    )
 
     @model_validator(mode="after")
     def _profile_window(self) -> MonitorConfig:
         if self.profile_at_step and self.profile_at_step <= self.profile_wait + self.profile_warmup:
-            raise ValueError(f"monitor.profile_at_step: must be > profile_wait + profile_warmup "
-                             f"({self.profile_wait + self.profile_warmup}) so the window fits after step 1")
+            raise ValueError(
+                f"monitor.profile_at_step: must be > profile_wait + profile_warmup "
+                f"({self.profile_wait + self.profile_warmup}) so the window fits after step 1"
+            )
         return self
 
 
@@ -260,24 +306,40 @@ def check_endpoint(value: str) -> None:
 
 class LaunchConfig(Section):
     nproc_per_node: int = Field(
-        0, ge=0, le=MAX_RANKS, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks")
+        0, ge=0, le=MAX_RANKS, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks"
+    )
     nnodes: int = Field(1, gt=0, le=MAX_RANKS)
     rdzv_endpoint: str = Field(
-        "127.0.0.1:0", description="HOST:PORT of the c10d rendezvous (host name, IPv4 or [IPv6]); port 0 picks a "
-        "free one. One host (nnodes=1): only the port is used, everything listens on 127.0.0.1")
+        "127.0.0.1:0",
+        description="HOST:PORT of the c10d rendezvous (host name, IPv4 or [IPv6]); port 0 picks a "
+        "free one. One host (nnodes=1): only the port is used, everything listens on 127.0.0.1",
+    )
     local_addr: str = Field(
-        "", description="nnodes > 1: this host's IP address that the other nodes reach; rank 0's store and the "
-        "gloo/NCCL sockets bind to it. Empty: the address of the interface that routes to the rendezvous host")
+        "",
+        description="nnodes > 1: this host's IP address that the other nodes reach; rank 0's store and the "
+        "gloo/NCCL sockets bind to it. Empty: the address of the interface that routes to the rendezvous host",
+    )
     max_restarts: int = Field(0, ge=0, le=MAX_STEPS, description="worker-group restarts by the torchrun agent")
     collective_timeout_s: float = Field(
-        600.0, gt=0, le=MAX_SECONDS,
-        description="process-group timeout for a collective; also the hang limit until step 1 is done")
+        600.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="process-group timeout for a collective; also the hang limit until step 1 is done",
+    )
     hang_timeout_s: float = Field(
-        300.0, ge=0, le=MAX_SECONDS, description="after step 1: a rank without progress this long names the stuck "
-        "rank and exits 124 (0: no watchdog)")
+        300.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="after step 1: a rank without progress this long names the stuck "
+        "rank and exits 124 (0: no watchdog)",
+    )
     shutdown_timeout_s: int = Field(
-        30, gt=0, le=MAX_SECONDS, description="the agent's grace between SIGTERM and SIGKILL when it stops workers "
-        "(they save a checkpoint in it when preempted)")
+        30,
+        gt=0,
+        le=MAX_SECONDS,
+        description="the agent's grace between SIGTERM and SIGKILL when it stops workers "
+        "(they save a checkpoint in it when preempted)",
+    )
 
     @field_validator("rdzv_endpoint")
     @classmethod

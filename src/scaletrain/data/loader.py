@@ -36,11 +36,21 @@ class TokenWindows:
 
 
 class DistributedLoader:
-    def __init__(self, windows: TokenWindows, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        windows: TokenWindows,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ):
         if global_batch % (micro_batch * dp_size):
-            raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
-                             f"x data-parallel degree {dp_size}")
+            raise ValueError(
+                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
+                f"x data-parallel degree {dp_size}"
+            )
         self.windows = windows
         self.global_batch = global_batch
         self.micro_batch = micro_batch
@@ -74,7 +84,7 @@ class DistributedLoader:
         while count > 0:
             epoch, offset = divmod(pos, n)
             take = min(count, n - offset)
-            out.append(self._order_for(epoch)[offset:offset + take])
+            out.append(self._order_for(epoch)[offset : offset + take])
             pos += take
             count -= take
         return torch.cat(out)
@@ -83,7 +93,7 @@ class DistributedLoader:
         """This rank's micro-batches for the next optimizer step."""
         per_rank = self.global_batch // self.dp_size
         idx = self._global_indices(self.consumed_samples, self.global_batch)
-        mine = idx[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        mine = idx[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
         self.consumed_samples += self.global_batch
         return [self.windows.gather(chunk) for chunk in mine.split(self.micro_batch)]
 

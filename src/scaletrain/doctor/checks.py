@@ -18,16 +18,16 @@ from pathlib import Path
 from scaletrain.doctor.topology import parse_topo_matrix, path_verdict, pcie_bandwidth
 
 GIB = 2**30
-SHM_MIN_BYTES = 1 * GIB       # NCCL's shared-memory transport and DataLoader workers; Docker's default is 64 MiB
-NOFILE_MIN = 4096             # each rank keeps sockets to its peers plus shared-memory handles of data workers
-BW_WARN_SHARE = 0.5           # measured bus bandwidth under this share of the expected one: warn
-BW_FAIL_SHARE = 0.1           # ... under this one: fail (a link misconfigured, or traffic on the wrong path)
+SHM_MIN_BYTES = 1 * GIB  # NCCL's shared-memory transport and DataLoader workers; Docker's default is 64 MiB
+NOFILE_MIN = 4096  # each rank keeps sockets to its peers plus shared-memory handles of data workers
+BW_WARN_SHARE = 0.5  # measured bus bandwidth under this share of the expected one: warn
+BW_FAIL_SHARE = 0.1  # ... under this one: fail (a link misconfigured, or traffic on the wrong path)
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
-    status: str    # pass | warn | fail | skip
+    status: str  # pass | warn | fail | skip
     detail: str
 
     def as_dict(self) -> dict:
@@ -52,17 +52,27 @@ def check_gpus(nvml) -> list[Check]:
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n == 0:
-        why = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
-               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees none")
+        why = (
+            f"torch {torch.__version__} is a CPU build"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees none"
+        )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             why += f"; CUDA_VISIBLE_DEVICES={visible!r}"
-        return [Check("gpus visible", "warn", f"no CUDA GPU visible ({why}): only CPU ranks over gloo can run here"),
-                Check("gpus not shared", "skip", "not checked: no GPU")]
+        return [
+            Check("gpus visible", "warn", f"no CUDA GPU visible ({why}): only CPU ranks over gloo can run here"),
+            Check("gpus not shared", "skip", "not checked: no GPU"),
+        ]
     names = {torch.cuda.get_device_name(i) for i in range(n)}
-    rows = [Check("gpus visible", "pass" if len(names) == 1 else "warn",
-                  f"{n} x {', '.join(sorted(names))}" + ("" if len(names) == 1 else ": mixed models, the slowest "
-                                                                                        "sets the pace"))]
+    rows = [
+        Check(
+            "gpus visible",
+            "pass" if len(names) == 1 else "warn",
+            f"{n} x {', '.join(sorted(names))}"
+            + ("" if len(names) == 1 else ": mixed models, the slowest sets the pace"),
+        )
+    ]
     if nvml is None:
         rows.append(Check("gpus not shared", "skip", "not checked: NVML unavailable"))
         return rows
@@ -79,10 +89,13 @@ def check_gpus(nvml) -> list[Check]:
         others = [p for p in procs if p.pid != me]
         if others:
             used = sum((p.usedGpuMemory or 0) for p in others) / GIB
-            busy.append(f"GPU{i}: {len(others)} other process(es) (pid {', '.join(str(p.pid) for p in others[:3])}"
-                        f", {used:.1f} GiB)")
-    rows.append(Check("gpus not shared", "warn" if busy else "pass",
-                      "; ".join(busy) if busy else "no other process on any GPU"))
+            busy.append(
+                f"GPU{i}: {len(others)} other process(es) (pid {', '.join(str(p.pid) for p in others[:3])}"
+                f", {used:.1f} GiB)"
+            )
+    rows.append(
+        Check("gpus not shared", "warn" if busy else "pass", "; ".join(busy) if busy else "no other process on any GPU")
+    )
     return rows
 
 
@@ -101,17 +114,33 @@ def check_versions(nvml) -> list[Check]:
         if torch.version.cuda:
             want = tuple(int(x) for x in torch.version.cuda.split(".")[:2])
             if want > (cuda_max // 1000, cuda_max % 1000 // 10):
-                status, detail = "fail", (f"NVIDIA driver {drv} runs CUDA up to {max_str}, torch needs "
-                                          f"{torch.version.cuda}: update the driver, or use a torch built for an "
-                                          f"older CUDA")
+                status, detail = (
+                    "fail",
+                    (
+                        f"NVIDIA driver {drv} runs CUDA up to {max_str}, torch needs "
+                        f"{torch.version.cuda}: update the driver, or use a torch built for an "
+                        f"older CUDA"
+                    ),
+                )
         rows.append(Check("driver", status, detail))
     if torch.version.cuda is None:
-        rows.append(Check("cuda / nccl", "skip", f"not checked: torch {torch.__version__} is a CPU build "
-                                                  f"(no CUDA runtime, no NCCL); gloo is the backend"))
+        rows.append(
+            Check(
+                "cuda / nccl",
+                "skip",
+                f"not checked: torch {torch.__version__} is a CPU build "
+                f"(no CUDA runtime, no NCCL); gloo is the backend",
+            )
+        )
     else:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
-        rows.append(Check("cuda / nccl", "pass" if nccl else "warn",
-                          f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl or 'missing'}"))
+        rows.append(
+            Check(
+                "cuda / nccl",
+                "pass" if nccl else "warn",
+                f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl or 'missing'}",
+            )
+        )
     return rows
 
 
@@ -182,17 +211,25 @@ def check_links(nvml) -> tuple[list[Check], float | None, str]:
 def check_network() -> list[Check]:
     base = Path("/sys/class/infiniband")
     if not base.is_dir() or not any(base.iterdir()):
-        return [Check("infiniband / roce", "warn", "no InfiniBand or RoCE device (/sys/class/infiniband is empty "
-                                                   "or absent): traffic between nodes would go over TCP sockets")]
+        return [
+            Check(
+                "infiniband / roce",
+                "warn",
+                "no InfiniBand or RoCE device (/sys/class/infiniband is empty "
+                "or absent): traffic between nodes would go over TCP sockets",
+            )
+        ]
     ports: list[str] = []
     down: list[str] = []
     for dev in sorted(base.iterdir()):
         for port in sorted((dev / "ports").glob("*")):
+
             def read(name: str, port: Path = port) -> str:
                 try:
                     return (port / name).read_text().strip()
                 except OSError:
                     return "?"
+
             state, rate, layer = read("state"), read("rate"), read("link_layer")
             kind = "RoCE" if layer == "Ethernet" else layer
             label = f"{dev.name}/{port.name} {kind} {rate} {state.split(':')[-1].strip()}"
@@ -205,16 +242,26 @@ def check_network() -> list[Check]:
 def check_memlock_and_files(has_rdma: bool) -> list[Check]:
     rows = []
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    rows.append(Check("ulimit -n (open files)", "pass" if soft >= NOFILE_MIN else "warn",
-                      f"{soft} (hard {hard})" + ("" if soft >= NOFILE_MIN else
-                                                 f": below {NOFILE_MIN}; raise with `ulimit -n {min(hard, 65536)}`")))
+    rows.append(
+        Check(
+            "ulimit -n (open files)",
+            "pass" if soft >= NOFILE_MIN else "warn",
+            f"{soft} (hard {hard})"
+            + ("" if soft >= NOFILE_MIN else f": below {NOFILE_MIN}; raise with `ulimit -n {min(hard, 65536)}`"),
+        )
+    )
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
     if soft == resource.RLIM_INFINITY:
         rows.append(Check("ulimit -l (locked memory)", "pass", shown))
     elif has_rdma:
-        rows.append(Check("ulimit -l (locked memory)", "warn", f"{shown}: RDMA (InfiniBand/RoCE) registers memory "
-                                                               f"and wants unlimited (`ulimit -l unlimited`)"))
+        rows.append(
+            Check(
+                "ulimit -l (locked memory)",
+                "warn",
+                f"{shown}: RDMA (InfiniBand/RoCE) registers memory and wants unlimited (`ulimit -l unlimited`)",
+            )
+        )
     else:
         rows.append(Check("ulimit -l (locked memory)", "pass", f"{shown} (enough without RDMA)"))
     return rows
@@ -228,8 +275,14 @@ def check_shm() -> list[Check]:
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     detail = f"{size / GIB:.1f} GiB, {free / GIB:.1f} GiB free"
     if size < SHM_MIN_BYTES:
-        return [Check("/dev/shm", "warn", f"{detail}: under {SHM_MIN_BYTES // GIB} GiB (containers: --shm-size or "
-                                          f"--ipc=host; Kubernetes: a memory emptyDir on /dev/shm)")]
+        return [
+            Check(
+                "/dev/shm",
+                "warn",
+                f"{detail}: under {SHM_MIN_BYTES // GIB} GiB (containers: --shm-size or "
+                f"--ipc=host; Kubernetes: a memory emptyDir on /dev/shm)",
+            )
+        ]
     return [Check("/dev/shm", "pass", detail)]
 
 
@@ -247,13 +300,23 @@ def check_allreduce(nproc: int, nbytes: int, expected: float | None, link_name: 
         return [Check("all-reduce bus bandwidth", "fail", f"{nproc} {backend} ranks failed: {e}")]
     measured = f"{busbw / 1e9:.2f} GB/s over {nproc} {backend} ranks ({nbytes / 2**20:.0f} MiB)"
     if not on_gpu or expected is None:
-        return [Check("all-reduce bus bandwidth", "pass",
-                      f"{measured}; no link speed to compare with: CPU ranks over gloo use loopback and shared "
-                      f"memory, which have no datasheet figure")]
+        return [
+            Check(
+                "all-reduce bus bandwidth",
+                "pass",
+                f"{measured}; no link speed to compare with: CPU ranks over gloo use loopback and shared "
+                f"memory, which have no datasheet figure",
+            )
+        ]
     share = busbw / expected
     status = "pass" if share >= BW_WARN_SHARE else "warn" if share >= BW_FAIL_SHARE else "fail"
-    return [Check("all-reduce bus bandwidth", status,
-                  f"{measured}: {share:.0%} of {link_name} ({expected / 1e9:.0f} GB/s per direction)")]
+    return [
+        Check(
+            "all-reduce bus bandwidth",
+            status,
+            f"{measured}: {share:.0%} of {link_name} ({expected / 1e9:.0f} GB/s per direction)",
+        )
+    ]
 
 
 def run_doctor(bandwidth: bool = True, nproc: int | None = None, nbytes: int = 16 * 2**20) -> list[Check]:

@@ -11,8 +11,14 @@ import re
 
 # Per-lane PCIe bandwidth per direction, bytes/s: raw transfer rate x line-code efficiency / 8 bits
 # (PCI-SIG base specifications: gen1-2 8b/10b, gen3-5 128b/130b; gen6 PAM4 with FLIT, ~242/256 usable).
-PCIE_LANE_BW = {1: 2.5e9 * 0.8 / 8, 2: 5e9 * 0.8 / 8, 3: 8e9 * 128 / 130 / 8, 4: 16e9 * 128 / 130 / 8,
-                5: 32e9 * 128 / 130 / 8, 6: 64e9 * 242 / 256 / 8}
+PCIE_LANE_BW = {
+    1: 2.5e9 * 0.8 / 8,
+    2: 5e9 * 0.8 / 8,
+    3: 8e9 * 128 / 130 / 8,
+    4: 16e9 * 128 / 130 / 8,
+    5: 32e9 * 128 / 130 / 8,
+    6: 64e9 * 242 / 256 / 8,
+}
 
 PATH_VERDICT = {
     "PIX": ("pass", "PCIe through one switch"),
@@ -32,8 +38,14 @@ def pcie_bandwidth(gen: int, width: int) -> float | None:
 def parse_topo_matrix(text: str) -> dict[tuple[str, str], str]:
     """{("GPU0", "GPU1"): "NV18", ...} for every GPU pair (i < j) in `nvidia-smi topo -m` output."""
     lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln) for ln in text.splitlines()]
-    header = next((ln.split() for ln in lines if ln.split()[:1] == ["GPU0"] or
-                   (ln.startswith((" ", "\t")) and "GPU0" in ln.split())), None)
+    header = next(
+        (
+            ln.split()
+            for ln in lines
+            if ln.split()[:1] == ["GPU0"] or (ln.startswith((" ", "\t")) and "GPU0" in ln.split())
+        ),
+        None,
+    )
     if header is None:
         return {}
     gpus = [h for h in header if re.fullmatch(r"GPU\d+", h)]
@@ -43,7 +55,7 @@ def parse_topo_matrix(text: str) -> dict[tuple[str, str], str]:
         if not cells or not re.fullmatch(r"GPU\d+", cells[0]) or len(cells) < len(gpus) + 1:
             continue
         row = cells[0]
-        for col, code in zip(gpus, cells[1:1 + len(gpus)]):
+        for col, code in zip(gpus, cells[1 : 1 + len(gpus)]):
             if int(row[3:]) < int(col[3:]):
                 pairs[(row, col)] = code
     return pairs

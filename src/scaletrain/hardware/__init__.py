@@ -6,7 +6,20 @@ from scaletrain.hardware.cluster import Cluster, ClusterFileError, load_cluster,
 from scaletrain.hardware.detect import HostInfo, detect_host
 
 __all__ = [
-    "GPUS", "LINKS", "Calibration", "CalibrationError", "Cluster", "ClusterFileError", "GPUSpec", "HostInfo",
-    "LinkSpec", "apply_calibration", "detect_host", "get_gpu", "get_link", "load_calibration", "load_cluster",
+    "GPUS",
+    "LINKS",
+    "Calibration",
+    "CalibrationError",
+    "Cluster",
+    "ClusterFileError",
+    "GPUSpec",
+    "HostInfo",
+    "LinkSpec",
+    "apply_calibration",
+    "detect_host",
+    "get_gpu",
+    "get_link",
+    "load_calibration",
+    "load_cluster",
     "make_cluster",
 ]

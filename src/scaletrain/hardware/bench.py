@@ -30,8 +30,9 @@ def _timed(fn, repeats: int) -> float:
     return best
 
 
-def measure_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                         repeats: int = 5) -> float:
+def measure_matmul_flops(
+    n: int = 1024, dtype: torch.dtype = torch.float32, device: str = "cpu", repeats: int = 5
+) -> float:
     """Achieved FLOP/s of an n x n x n matmul (2n^3 FLOPs), best of `repeats`."""
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -80,6 +81,7 @@ def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int =
         model.zero_grad(set_to_none=True)
 
     ops = count_dispatched_ops(step)
+
     def steps() -> None:
         for _ in range(iterations):
             step()
@@ -111,8 +113,9 @@ def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: in
             once()
             times.append(time.perf_counter() - t0)
         slowest = torch.tensor([min(times)], dtype=torch.float64)
-        dist.all_reduce(slowest.to(device), op=dist.ReduceOp.MAX) if backend == "nccl" else \
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(slowest.to(device), op=dist.ReduceOp.MAX) if backend == "nccl" else dist.all_reduce(
+            slowest, op=dist.ReduceOp.MAX
+        )
         if rank == 0:
             out.put(float(slowest))
     finally:
@@ -133,8 +136,13 @@ def measure_allreduce_busbw(nproc: int = 2, nbytes: int = 16 * 2**20, repeats: i
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_allreduce_worker, args=(nproc, _free_port(), nbytes, repeats, backend, out),
-                       nprocs=nproc, join=True, start_method="spawn")
+    mp.start_processes(
+        _allreduce_worker,
+        args=(nproc, _free_port(), nbytes, repeats, backend, out),
+        nprocs=nproc,
+        join=True,
+        start_method="spawn",
+    )
     seconds = out.get()
     return nbytes / seconds * 2.0 * (nproc - 1) / nproc
 
@@ -150,6 +158,15 @@ def run_bench(nproc: int = 2, matmul_n: int = 1024, allreduce_bytes: int = 16 * 
     op_s = measure_op_overhead(device)
     busbw = measure_allreduce_busbw(nproc, allreduce_bytes)
     memory = float(host.gpu_memory_bytes[0]) if on_gpu else host.memory_bytes
-    return Calibration(device=host.catalog_gpu, host=host.hostname, ranks=nproc, matmul_flops=flops,
-                       matmul_dtype=str(dtype).removeprefix("torch."), memory_bw=mem_bw, allreduce_busbw=busbw,
-                       memory_bytes=memory, torch_version=torch.__version__, op_overhead_s=op_s)
+    return Calibration(
+        device=host.catalog_gpu,
+        host=host.hostname,
+        ranks=nproc,
+        matmul_flops=flops,
+        matmul_dtype=str(dtype).removeprefix("torch."),
+        memory_bw=mem_bw,
+        allreduce_busbw=busbw,
+        memory_bytes=memory,
+        torch_version=torch.__version__,
+        op_overhead_s=op_s,
+    )

@@ -64,10 +64,16 @@ def load_calibration(path: str | Path) -> Calibration:
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
     """The cluster with measured compute, memory and intra-node all-reduce figures in place of the datasheet's."""
     if cal.device != cluster.gpu.name:
-        raise CalibrationError(f"--calibration: measured on {cal.device!r}, but the plan is for "
-                               f"{cluster.gpu.name!r}; use --gpu {cal.device} or drop --calibration")
+        raise CalibrationError(
+            f"--calibration: measured on {cal.device!r}, but the plan is for "
+            f"{cluster.gpu.name!r}; use --gpu {cal.device} or drop --calibration"
+        )
     return dataclasses.replace(
-        cluster, measured_matmul_flops=cal.matmul_flops, measured_busbw=cal.allreduce_busbw,
-        measured_memory_bw=cal.memory_bw, measured_memory_bytes=cal.memory_bytes,
+        cluster,
+        measured_matmul_flops=cal.matmul_flops,
+        measured_busbw=cal.allreduce_busbw,
+        measured_memory_bw=cal.memory_bw,
+        measured_memory_bytes=cal.memory_bytes,
         measured_op_overhead_s=cal.op_overhead_s,
-        calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)")
+        calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)",
+    )

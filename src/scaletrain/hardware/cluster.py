@@ -142,15 +142,25 @@ class Cluster:
     def with_gpus(self, gpus: int) -> Cluster:
         """The same kind of cluster with `gpus` GPUs: fewer than a node shrinks the node, else whole nodes."""
         if gpus < self.gpus_per_node:
-            return dataclasses.replace(self, gpus=gpus, gpus_per_node=gpus,
-                                       node_overhead_w=self.node_overhead_w * gpus / self.gpus_per_node)
+            return dataclasses.replace(
+                self, gpus=gpus, gpus_per_node=gpus, node_overhead_w=self.node_overhead_w * gpus / self.gpus_per_node
+            )
         return dataclasses.replace(self, gpus=gpus)
 
 
-def make_cluster(gpu: str, gpus: int, interconnect: str | None = None, gpus_per_node: int | None = None,
-                 usd_per_gpu_hour: float | None = None, pue: float = DEFAULT_PUE, nics_per_node: int | None = None,
-                 node_overhead_w: float | None = None, extra_gpus: dict[str, GPUSpec] | None = None,
-                 extra_links: dict[str, LinkSpec] | None = None, name: str = "cluster") -> Cluster:
+def make_cluster(
+    gpu: str,
+    gpus: int,
+    interconnect: str | None = None,
+    gpus_per_node: int | None = None,
+    usd_per_gpu_hour: float | None = None,
+    pue: float = DEFAULT_PUE,
+    nics_per_node: int | None = None,
+    node_overhead_w: float | None = None,
+    extra_gpus: dict[str, GPUSpec] | None = None,
+    extra_links: dict[str, LinkSpec] | None = None,
+    name: str = "cluster",
+) -> Cluster:
     """A cluster of `gpus` GPUs of type `gpu`; interconnect is "INTRA[,INTER]" link names. ValueError on bad input."""
     spec = get_gpu(gpu, extra_gpus)
     if gpus < 1:
@@ -164,36 +174,61 @@ def make_cluster(gpu: str, gpus: int, interconnect: str | None = None, gpus_per_
         inter_name = parts[1] if len(parts) > 1 else inter_name
     intra, inter = get_link(intra_name, extra_links), get_link(inter_name, extra_links)
     if intra.kind != "intra":
-        raise ValueError(f"--interconnect: {intra.name} links nodes, not GPUs inside a node; put it second "
-                         f"(e.g. nvlink4,{intra.name})")
+        raise ValueError(
+            f"--interconnect: {intra.name} links nodes, not GPUs inside a node; put it second "
+            f"(e.g. nvlink4,{intra.name})"
+        )
     if inter.kind != "inter":
-        raise ValueError(f"--interconnect: {inter.name} is a link inside a node; the second link must join nodes "
-                         f"(e.g. ib-ndr, roce-400)")
+        raise ValueError(
+            f"--interconnect: {inter.name} is a link inside a node; the second link must join nodes "
+            f"(e.g. ib-ndr, roce-400)"
+        )
     gpn = gpus_per_node or spec.default_gpus_per_node
     if gpus < gpn:
         gpn = gpus
     elif gpus % gpn:
-        raise ValueError(f"--gpus: {gpus} GPUs are not a whole number of {gpn}-GPU nodes; use a multiple of {gpn} "
-                         f"or set --gpus-per-node")
+        raise ValueError(
+            f"--gpus: {gpus} GPUs are not a whole number of {gpn}-GPU nodes; use a multiple of {gpn} "
+            f"or set --gpus-per-node"
+        )
     nics = nics_per_node if nics_per_node is not None else gpn
-    overhead = node_overhead_w if node_overhead_w is not None else \
-        DEFAULT_NODE_OVERHEAD_FRACTION * gpn * spec.power_w
+    overhead = node_overhead_w if node_overhead_w is not None else DEFAULT_NODE_OVERHEAD_FRACTION * gpn * spec.power_w
     price = usd_per_gpu_hour if usd_per_gpu_hour is not None else spec.usd_per_gpu_hour
     return Cluster(name, spec, gpus, gpn, intra, inter, nics, price, pue, overhead)
 
 
 def _custom_gpu(name: str, e: GPUTypeEntry) -> GPUSpec:
     src = f"cluster file: {e.source}"
-    return GPUSpec(name, name, e.memory_gb * GB, e.memory_bw_tbs * TB, e.bf16_tflops * TFLOPS,
-                   (e.fp32_tflops or e.bf16_tflops / 16) * TFLOPS, None, e.power_w, e.matmul_efficiency, 0.5,
-                   e.intra_node_link, e.inter_node_link, 8, e.usd_per_gpu_hour,
-                   {k: src for k in ("memory", "memory_bw", "bf16", "power", "matmul_efficiency", "price")})
+    return GPUSpec(
+        name,
+        name,
+        e.memory_gb * GB,
+        e.memory_bw_tbs * TB,
+        e.bf16_tflops * TFLOPS,
+        (e.fp32_tflops or e.bf16_tflops / 16) * TFLOPS,
+        None,
+        e.power_w,
+        e.matmul_efficiency,
+        0.5,
+        e.intra_node_link,
+        e.inter_node_link,
+        8,
+        e.usd_per_gpu_hour,
+        {k: src for k in ("memory", "memory_bw", "bf16", "power", "matmul_efficiency", "price")},
+    )
 
 
 def _custom_link(name: str, e: LinkEntry) -> LinkSpec:
     src = f"cluster file: {e.source}"
-    return LinkSpec(name, name, e.bandwidth_gbs * GB, e.efficiency, e.latency_us * 1e-6, e.kind,
-                    {"bandwidth": src, "efficiency": src, "latency": src})
+    return LinkSpec(
+        name,
+        name,
+        e.bandwidth_gbs * GB,
+        e.efficiency,
+        e.latency_us * 1e-6,
+        e.kind,
+        {"bandwidth": src, "efficiency": src, "latency": src},
+    )
 
 
 def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
@@ -216,8 +251,9 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
     links_defined = {n.lower(): _custom_link(n.lower(), e) for n, e in f.links.items()}
     total = f.gpus_per_node * f.nodes
     if gpus is not None and gpus > total:
-        raise ClusterFileError(f"{where}: --gpus {gpus} is more than the file's {f.nodes} nodes x "
-                               f"{f.gpus_per_node} GPUs = {total}")
+        raise ClusterFileError(
+            f"{where}: --gpus {gpus} is more than the file's {f.nodes} nodes x {f.gpus_per_node} GPUs = {total}"
+        )
     interconnect = None
     if f.intra_node_link or f.inter_node_link:
         try:
@@ -226,11 +262,25 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
             raise ClusterFileError(f"{where}: gpu: {str(e).split(': ', 1)[1]}") from None
         interconnect = f"{f.intra_node_link or spec.default_intra_link},{f.inter_node_link or spec.default_inter_link}"
     try:
-        return make_cluster(f.gpu, gpus or total, interconnect, f.gpus_per_node, f.usd_per_gpu_hour, f.pue,
-                            f.nics_per_node, f.node_overhead_w, gpus_defined, links_defined, f.name)
+        return make_cluster(
+            f.gpu,
+            gpus or total,
+            interconnect,
+            f.gpus_per_node,
+            f.usd_per_gpu_hour,
+            f.pue,
+            f.nics_per_node,
+            f.node_overhead_w,
+            gpus_defined,
+            links_defined,
+            f.name,
+        )
     except ValueError as e:
         msg = str(e)
-        for flag, key in (("--gpu:", "gpu:"), ("--interconnect:", "intra_node_link/inter_node_link:"),
-                          ("--gpus:", "nodes/gpus_per_node:")):
+        for flag, key in (
+            ("--gpu:", "gpu:"),
+            ("--interconnect:", "intra_node_link/inter_node_link:"),
+            ("--gpus:", "nodes/gpus_per_node:"),
+        ):
             msg = msg.replace(flag, key)
         raise ClusterFileError(f"{where}: {msg}") from None

@@ -12,9 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # CUDA device names (as torch reports them) -> catalog entries; first match wins
-_NAME_MAP = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("B200", "b200"),
-             ("A100-SXM4-40GB", "a100-40gb"), ("A100-PCIE-40GB", "a100-40gb"), ("A100", "a100-80gb"),
-             ("L40S", "l40s"), ("RTX 4090", "rtx-4090"))
+_NAME_MAP = (
+    ("H200", "h200"),
+    ("H100 PCIe", "h100-pcie"),
+    ("H100", "h100-sxm"),
+    ("B200", "b200"),
+    ("A100-SXM4-40GB", "a100-40gb"),
+    ("A100-PCIE-40GB", "a100-40gb"),
+    ("A100", "a100-80gb"),
+    ("L40S", "l40s"),
+    ("RTX 4090", "rtx-4090"),
+)
 
 
 @dataclass(frozen=True)
@@ -71,5 +79,13 @@ def detect_host() -> HostInfo:
     ib_dir = Path("/sys/class/infiniband")
     ib = tuple(sorted(p.name for p in ib_dir.iterdir())) if ib_dir.is_dir() else ()
     catalog = (catalog_name_for(names[0]) or "unknown") if names else "cpu"
-    return HostInfo(socket.gethostname(), os.cpu_count() or 1, host_memory_bytes(), tuple(names), tuple(mems),
-                    catalog, shutil.which("nvidia-smi"), ib)
+    return HostInfo(
+        socket.gethostname(),
+        os.cpu_count() or 1,
+        host_memory_bytes(),
+        tuple(names),
+        tuple(mems),
+        catalog,
+        shutil.which("nvidia-smi"),
+        ib,
+    )

@@ -4,8 +4,9 @@ one way for all of them."""
 from __future__ import annotations
 
 
-def check_rank_counts(nodes: int, gpus_per_node: int, nproc_per_node: int, unit: str = "node",
-                      error: type[ValueError] = ValueError) -> None:
+def check_rank_counts(
+    nodes: int, gpus_per_node: int, nproc_per_node: int, unit: str = "node", error: type[ValueError] = ValueError
+) -> None:
     """Raise `error` with one line naming the option when the counts cannot describe a job; `unit` is what
     holds a node's GPUs in the launcher's words (a Slurm node, a Kubernetes pod)."""
     if nodes < 1:
@@ -15,5 +16,6 @@ def check_rank_counts(nodes: int, gpus_per_node: int, nproc_per_node: int, unit:
     if nproc_per_node < 0:
         raise error(f"--nproc-per-node: must be at least 1, or 0 for one rank per GPU (got {nproc_per_node})")
     if gpus_per_node and nproc_per_node > gpus_per_node:
-        raise error(f"--nproc-per-node: {nproc_per_node} ranks on {gpus_per_node} GPUs per {unit}; "
-                    f"use at most one rank per GPU")
+        raise error(
+            f"--nproc-per-node: {nproc_per_node} ranks on {gpus_per_node} GPUs per {unit}; use at most one rank per GPU"
+        )

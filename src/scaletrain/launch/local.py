@@ -41,8 +41,10 @@ def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
     else:
         host = network.resolve(host)
         if ipaddress.ip_address(host).is_loopback:
-            raise ValueError(f"launch.rdzv_endpoint: {launch.rdzv_endpoint} is a loopback address; a multi-node "
-                             f"run needs the rendezvous host's address every node can reach")
+            raise ValueError(
+                f"launch.rdzv_endpoint: {launch.rdzv_endpoint} is a loopback address; a multi-node "
+                f"run needs the rendezvous host's address every node can reach"
+            )
         if host not in network.local_addresses():
             return LocalRendezvous(f"{host}:{port}", listen_addr, None)  # another host serves the store
     try:
@@ -51,8 +53,9 @@ def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
         if launch.nnodes > 1 and network.port_in_use(e):
             # another node's agent on this same machine got there first and serves it (torch does the same)
             return LocalRendezvous(f"{host}:{port}", listen_addr, None)
-        raise ValueError(f"launch.rdzv_endpoint: cannot listen on {host}:{port} ({e.strerror}); pick a free port "
-                         f"or port 0") from None
+        raise ValueError(
+            f"launch.rdzv_endpoint: cannot listen on {host}:{port} ({e.strerror}); pick a free port or port 0"
+        ) from None
     port = sock.getsockname()[1]
     server = network.tcp_store_server(host, port, timeout_s=300, sock=sock)
     return LocalRendezvous(f"{host}:{port}", listen_addr, server)
@@ -84,17 +87,24 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     launch = AgentConfig(
-        min_nodes=cfg.launch.nnodes, max_nodes=cfg.launch.nnodes, nproc_per_node=nproc_per_node,
-        run_id=run_id(cfg), rdzv_backend="c10d",
-        rdzv_endpoint=rdzv.endpoint, max_restarts=cfg.launch.max_restarts,
+        min_nodes=cfg.launch.nnodes,
+        max_nodes=cfg.launch.nnodes,
+        nproc_per_node=nproc_per_node,
+        run_id=run_id(cfg),
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv.endpoint,
+        max_restarts=cfg.launch.max_restarts,
         # is_host=False: the agent joins as a client of our store; its own would listen on every interface
         rdzv_configs={"is_host": False},
         # MASTER_ADDR of the workers: rank 0 binds its store there (parallel/runtime.py)
         local_addr=rdzv.listen_addr,
-        monitor_interval=0.2, start_method="spawn",
+        monitor_interval=0.2,
+        start_method="spawn",
         # SIGUSR1 is Slurm's advance warning (--signal=B:USR1@N): the agent then stops its workers with SIGTERM,
         # which they answer by finishing the step and saving a checkpoint
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", shutdown_timeout=cfg.launch.shutdown_timeout_s)
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=cfg.launch.shutdown_timeout_s,
+    )
     try:
         results = elastic_launch(launch, run_from_dict)(cfg.model_dump())
     finally:

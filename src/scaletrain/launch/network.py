@@ -33,8 +33,9 @@ def resolve(host: str, field: str = "launch.rdzv_endpoint") -> str:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ValueError(f"{field}: cannot resolve host '{host}' ({e.strerror}); give a name or IP address "
-                         f"this host can resolve") from None
+        raise ValueError(
+            f"{field}: cannot resolve host '{host}' ({e.strerror}); give a name or IP address this host can resolve"
+        ) from None
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     return str(infos[0][4][0])
 
@@ -47,9 +48,11 @@ def listen_address(nnodes: int, rdzv_endpoint: str, local_addr: str = "") -> str
         return LOOPBACK
     if local_addr:
         if local_addr not in local_addresses():
-            raise ValueError(f"launch.local_addr: {local_addr} is not an address of this host "
-                             f"({', '.join(sorted(local_addresses()))}); give the address the other nodes reach "
-                             f"this host by")
+            raise ValueError(
+                f"launch.local_addr: {local_addr} is not an address of this host "
+                f"({', '.join(sorted(local_addresses()))}); give the address the other nodes reach "
+                f"this host by"
+            )
         return local_addr
     host, port = split_endpoint(rdzv_endpoint)
     target = resolve(host)
@@ -57,9 +60,11 @@ def listen_address(nnodes: int, rdzv_endpoint: str, local_addr: str = "") -> str
         s.connect((target, port or 9))  # UDP connect sends nothing: it only asks the routing table
         addr = s.getsockname()[0]
     if ipaddress.ip_address(addr).is_loopback:
-        raise ValueError(f"launch.rdzv_endpoint: '{host}' is {target} on this host, a loopback address the other "
-                         f"nodes cannot reach; name the rendezvous host by the address they use, or set "
-                         f"launch.local_addr")
+        raise ValueError(
+            f"launch.rdzv_endpoint: '{host}' is {target} on this host, a loopback address the other "
+            f"nodes cannot reach; name the rendezvous host by the address they use, or set "
+            f"launch.local_addr"
+        )
     return addr
 
 

@@ -12,5 +12,4 @@ IGNORE_INDEX = -100  # the convention of torch's cross_entropy and of Hugging Fa
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of cross-entropy(logits (B, S, V), targets (B, S)); a vocabulary-sharded DTensor of logits
     works under torch's loss_parallel() context."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
-                           ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)

@@ -36,8 +36,7 @@ def _family_modules() -> list:
             name = f"scaletrain_model_family_{info.name}"
             if name not in sys.modules:
                 init = Path(folder) / info.name / "__init__.py"
-                spec = importlib.util.spec_from_file_location(name, init,
-                                                              submodule_search_locations=[str(init.parent)])
+                spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
                 if spec is None or spec.loader is None:
                     raise RuntimeError(f"{PATH_ENV}: {init} cannot be imported as a model family package")
                 module = importlib.util.module_from_spec(spec)
@@ -56,8 +55,9 @@ def _families_for(path: str) -> tuple[dict[str, type[ModelSpec]], dict[str, tupl
         families[cls.family] = cls
         for name, args in getattr(module, "PRESETS", {}).items():
             if name in presets:
-                raise RuntimeError(f"model preset {name!r} is defined by two families: "
-                                   f"{presets[name][0].family} and {cls.family}")
+                raise RuntimeError(
+                    f"model preset {name!r} is defined by two families: {presets[name][0].family} and {cls.family}"
+                )
             presets[name] = (cls, args)
     return families, presets
 
@@ -93,6 +93,7 @@ def spec_from_manifest(entry: dict) -> ModelSpec:
     """Rebuild the spec a checkpoint recorded (ModelSpec.manifest); ValueError when its family is not installed."""
     cls = families().get(entry.get("family", ""))
     if cls is None:
-        raise ValueError(f"checkpoint: model family {entry.get('family')!r} is not installed here (found: "
-                         f"{', '.join(families())})")
+        raise ValueError(
+            f"checkpoint: model family {entry.get('family')!r} is not installed here (found: {', '.join(families())})"
+        )
     return cls(cls.args_type(**entry["args"]))

@@ -98,8 +98,9 @@ class ModelSpec(ABC):
         known = {f.name for f in dataclasses.fields(args)}
         for key in overrides:
             if key not in known:
-                raise ValueError(f"model.{key}: the {cls.family} family has no such field; it has "
-                                 f"{', '.join(sorted(known))}")
+                raise ValueError(
+                    f"model.{key}: the {cls.family} family has no such field; it has {', '.join(sorted(known))}"
+                )
         spec = cls(dataclasses.replace(args, **overrides))
         spec.check()
         return spec
@@ -243,5 +244,7 @@ def check_tp_divides(tp: int, **sizes: int) -> None:
     matmul dims, vocabulary): each rank needs a whole share."""
     for field, value in sizes.items():
         if value % tp:
-            raise ValueError(f"parallel.tp: {tp} does not divide model.{field}={value}; "
-                             f"pick a tp that divides it (each rank needs a whole share)")
+            raise ValueError(
+                f"parallel.tp: {tp} does not divide model.{field}={value}; "
+                f"pick a tp that divides it (each rank needs a whole share)"
+            )

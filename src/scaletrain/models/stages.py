@@ -97,8 +97,9 @@ def stages_of_rank(rank: int, pp: int, n_stages: int, v_shaped: bool) -> list[in
 
 
 @lru_cache(maxsize=1024)
-def rank_layers(args, seq_len: int, pp: int, stages_per_rank: int = 1, v_shaped: bool = False,
-                balance: str = "cost") -> tuple[tuple[int, bool, bool], ...]:
+def rank_layers(
+    args, seq_len: int, pp: int, stages_per_rank: int = 1, v_shaped: bool = False, balance: str = "cost"
+) -> tuple[tuple[int, bool, bool], ...]:
     """For each pipeline rank: (transformer blocks it holds, holds the embedding, holds the output layer)."""
     n_stages = pp * stages_per_rank
     bounds = split_layers(layer_costs(args, seq_len), n_stages, balance) if pp > 1 else [(0, args.n_layers)]

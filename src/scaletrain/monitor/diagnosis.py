@@ -48,8 +48,13 @@ def _med(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def diagnose(records: list[dict], th: Thresholds | None = None, samples: dict[int, list[dict]] | None = None,
-             top_ops: dict | None = None, pp_bubble_predicted: float | None = None) -> list[Finding]:
+def diagnose(
+    records: list[dict],
+    th: Thresholds | None = None,
+    samples: dict[int, list[dict]] | None = None,
+    top_ops: dict | None = None,
+    pp_bubble_predicted: float | None = None,
+) -> list[Finding]:
     """Findings for a run, most severe first. records: metrics.jsonl rows; samples: rank -> sampler rows."""
     th = th or Thresholds()
     rows = _timed(records)
@@ -58,12 +63,17 @@ def diagnose(records: list[dict], th: Thresholds | None = None, samples: dict[in
         step = _med(r["step_time_s"] for r in rows)
         data = _med(r["time_data_s"] / r["step_time_s"] for r in rows)
         if data * 100 > th.data_wait_pct:
-            out.append(Finding(
-                "data_loader_bound", "bottleneck", "Data-loader bound",
-                f"ranks wait {data:.0%} of each step for data (median {step * data * 1e3:.1f} ms of "
-                f"{step * 1e3:.1f} ms; threshold {th.data_wait_pct:g} %)",
-                "prefetch batches in background workers (pin memory, overlap with compute), pre-tokenize the "
-                "dataset into a token file (data.source=tokens), or read from faster storage"))
+            out.append(
+                Finding(
+                    "data_loader_bound",
+                    "bottleneck",
+                    "Data-loader bound",
+                    f"ranks wait {data:.0%} of each step for data (median {step * data * 1e3:.1f} ms of "
+                    f"{step * 1e3:.1f} ms; threshold {th.data_wait_pct:g} %)",
+                    "prefetch batches in background workers (pin memory, overlap with compute), pre-tokenize the "
+                    "dataset into a token file (data.source=tokens), or read from faster storage",
+                )
+            )
 
         n = len(rows[0].get("busy_s_per_rank") or [])
         if n > 1:
@@ -72,64 +82,97 @@ def diagnose(records: list[dict], th: Thresholds | None = None, samples: dict[in
             slow = max(range(n), key=lambda i: busy[i])
             spread = (busy[slow] - med) / med if med > 0 else 0.0
             if spread * 100 > th.straggler_pct and busy[slow] - med > 1e-3:
-                out.append(Finding(
-                    "straggler", "bottleneck", f"Straggling rank: rank {slow}",
-                    f"rank {slow} is busy {busy[slow] * 1e3:.1f} ms per step against a median of "
-                    f"{med * 1e3:.1f} ms (+{spread:.0%}; threshold {th.straggler_pct:g} %); the other ranks wait "
-                    f"for it in the gradient collectives",
-                    f"check rank {slow}'s device and host (clocks, thermal throttling, other processes, a slower "
-                    f"link or NUMA placement), or replace that node", [slow]))
+                out.append(
+                    Finding(
+                        "straggler",
+                        "bottleneck",
+                        f"Straggling rank: rank {slow}",
+                        f"rank {slow} is busy {busy[slow] * 1e3:.1f} ms per step against a median of "
+                        f"{med * 1e3:.1f} ms (+{spread:.0%}; threshold {th.straggler_pct:g} %); the other ranks wait "
+                        f"for it in the gradient collectives",
+                        f"check rank {slow}'s device and host (clocks, thermal throttling, other processes, a slower "
+                        f"link or NUMA placement), or replace that node",
+                        [slow],
+                    )
+                )
             comm = _med(r["comm_s_per_rank"][slow] / r["step_time_s"] for r in rows)
         else:
             comm = _med(r["time_comm_s"] / r["step_time_s"] for r in rows)
         if comm * 100 > th.comm_pct:
             how = rows[-1].get("comm_measure", "")
-            out.append(Finding(
-                "communication_bound", "bottleneck", "Communication bound",
-                f"{comm:.0%} of each step is gradient communication not hidden behind compute (measured on the "
-                f"slowest rank, which waits for nobody; method: {how}; threshold {th.comm_pct:g} %)",
-                "raise the micro-batch or accumulation so compute covers the reduction, use bigger DDP buckets "
-                "(parallel.ddp_bucket_cap_mb), reduce in bf16 (precision.reduce_dtype), or keep the "
-                "data-parallel group inside a node (HSDP)"))
+            out.append(
+                Finding(
+                    "communication_bound",
+                    "bottleneck",
+                    "Communication bound",
+                    f"{comm:.0%} of each step is gradient communication not hidden behind compute (measured on the "
+                    f"slowest rank, which waits for nobody; method: {how}; threshold {th.comm_pct:g} %)",
+                    "raise the micro-batch or accumulation so compute covers the reduction, use bigger DDP buckets "
+                    "(parallel.ddp_bucket_cap_mb), reduce in bf16 (precision.reduce_dtype), or keep the "
+                    "data-parallel group inside a node (HSDP)",
+                )
+            )
 
         measured = _med(r["pp_bubble_measured"] for r in rows if "pp_bubble_measured" in r)
         if pp_bubble_predicted is not None and any("pp_bubble_measured" in r for r in rows):
             if (measured - pp_bubble_predicted) * 100 > th.bubble_excess_pct:
-                out.append(Finding(
-                    "pipeline_bubble", "bottleneck", "Pipeline bubble larger than predicted",
-                    f"measured idle share {measured:.0%} against {pp_bubble_predicted:.0%} predicted for the "
-                    f"schedule (threshold +{th.bubble_excess_pct:g} points)",
-                    "more micro-batches (parallel.pp_microbatches), an interleaved or zero-bubble schedule "
-                    "(parallel.pp_schedule), or cost-balanced stages (parallel.pp_balance=cost)"))
+                out.append(
+                    Finding(
+                        "pipeline_bubble",
+                        "bottleneck",
+                        "Pipeline bubble larger than predicted",
+                        f"measured idle share {measured:.0%} against {pp_bubble_predicted:.0%} predicted for the "
+                        f"schedule (threshold +{th.bubble_excess_pct:g} points)",
+                        "more micro-batches (parallel.pp_microbatches), an interleaved or zero-bubble schedule "
+                        "(parallel.pp_schedule), or cost-balanced stages (parallel.pp_balance=cost)",
+                    )
+                )
 
         cap = rows[-1].get("mem_capacity_bytes")
         peaks = rows[-1].get("peak_mem_bytes_per_rank") or []
         if cap and peaks:
             used = max(peaks) / cap
             if (1 - used) * 100 > th.memory_headroom_pct:
-                out.append(Finding(
-                    "memory_headroom", "warning", "Memory headroom unused",
-                    f"peak allocated memory is {max(peaks) / 1e9:.1f} GB of {cap / 1e9:.1f} GB ({used:.0%}) on "
-                    f"the fullest rank",
-                    f"a micro-batch about {max(int(0.85 / max(used, 1e-3)), 2)}x bigger likely fits "
-                    f"(train.micro_batch_size), or turn activation checkpointing off"))
+                out.append(
+                    Finding(
+                        "memory_headroom",
+                        "warning",
+                        "Memory headroom unused",
+                        f"peak allocated memory is {max(peaks) / 1e9:.1f} GB of {cap / 1e9:.1f} GB ({used:.0%}) on "
+                        f"the fullest rank",
+                        f"a micro-batch about {max(int(0.85 / max(used, 1e-3)), 2)}x bigger likely fits "
+                        f"(train.micro_batch_size), or turn activation checkpointing off",
+                    )
+                )
 
     for rank, rs in sorted((samples or {}).items()):
         gpu = [s["util_pct"] for s in rs if s.get("kind") == "gpu"]
         if len(gpu) >= 3 and _med(gpu) < th.idle_util_pct:
-            out.append(Finding(
-                "idle_rank", "warning", f"Idle GPU: rank {rank}",
-                f"median GPU utilisation {_med(gpu):.0f} % over {len(gpu)} samples (threshold "
-                f"{th.idle_util_pct:g} %)",
-                "the GPU waits on the host: look at data wait and Python overhead (torch.compile, larger "
-                "micro-batches)", [rank]))
+            out.append(
+                Finding(
+                    "idle_rank",
+                    "warning",
+                    f"Idle GPU: rank {rank}",
+                    f"median GPU utilisation {_med(gpu):.0f} % over {len(gpu)} samples (threshold "
+                    f"{th.idle_util_pct:g} %)",
+                    "the GPU waits on the host: look at data wait and Python overhead (torch.compile, larger "
+                    "micro-batches)",
+                    [rank],
+                )
+            )
 
     if top_ops and top_ops.get("ops"):
         ops = top_ops["ops"][:5]
         listing = "; ".join(f"{o['name']} {o['share']:.0%}" for o in ops)
-        out.append(Finding(
-            "top_kernels", "info", f"Top operators by {top_ops.get('time', 'self')} time (rank {top_ops['rank']})",
-            listing, "the profiler trace in profile/ shows where each runs on the timeline"))
+        out.append(
+            Finding(
+                "top_kernels",
+                "info",
+                f"Top operators by {top_ops.get('time', 'self')} time (rank {top_ops['rank']})",
+                listing,
+                "the profiler trace in profile/ shows where each runs on the timeline",
+            )
+        )
     order = {"bottleneck": 0, "warning": 1, "info": 2}
     return sorted(out, key=lambda f: order[f.severity])
 

@@ -25,8 +25,10 @@ def parse_faults(text: str) -> dict[str, float]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (s.strip() for s in item.partition("="))
         if not sep or key not in KEYS:
-            raise ValueError(f"{ENV}: {item!r} is not one of {', '.join(k + '=N' for k in KEYS)} "
-                             f"(testing only; e.g. {ENV}={EXAMPLE!r})")
+            raise ValueError(
+                f"{ENV}: {item!r} is not one of {', '.join(k + '=N' for k in KEYS)} "
+                f"(testing only; e.g. {ENV}={EXAMPLE!r})"
+            )
         try:
             number = int(value) if key == "slow_rank" else float(value)
         except ValueError:

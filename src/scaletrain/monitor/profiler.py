@@ -11,8 +11,18 @@ import torch
 
 
 class ProfilerWindow:
-    def __init__(self, out_dir: Path, rank: int, device: torch.device, first_step: int, at_step: int, wait: int,
-                 warmup: int, active: int, timer=None):
+    def __init__(
+        self,
+        out_dir: Path,
+        rank: int,
+        device: torch.device,
+        first_step: int,
+        at_step: int,
+        wait: int,
+        warmup: int,
+        active: int,
+        timer=None,
+    ):
         """at_step: first recorded (active) step; first_step: the step the loop runs first (after a resume)."""
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -26,8 +36,11 @@ class ProfilerWindow:
             return
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self._step = first_step
-        self._prof = profile(activities=activities, on_trace_ready=self._ready,
-                             schedule=schedule(skip_first=skip, wait=wait, warmup=warmup, active=active, repeat=1))
+        self._prof = profile(
+            activities=activities,
+            on_trace_ready=self._ready,
+            schedule=schedule(skip_first=skip, wait=wait, warmup=warmup, active=active, repeat=1),
+        )
         self._prof.start()
         self._label(first_step)
 
@@ -48,9 +61,18 @@ class ProfilerWindow:
         rows.sort(key=lambda r: -r["self_time_us"])
         total = sum(r["self_time_us"] for r in rows) or 1.0
         top = [{**r, "share": r["self_time_us"] / total} for r in rows[:15]]
-        (self.out_dir / f"top_ops_rank{self.rank}.json").write_text(json.dumps(
-            {"rank": self.rank, "steps": [self.first_active, self.last_active],
-             "time": "device" if self.cuda else "cpu", "ops": top}, indent=1) + "\n")
+        (self.out_dir / f"top_ops_rank{self.rank}.json").write_text(
+            json.dumps(
+                {
+                    "rank": self.rank,
+                    "steps": [self.first_active, self.last_active],
+                    "time": "device" if self.cuda else "cpu",
+                    "ops": top,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
     def step(self, step: int) -> None:
         """Call after each optimizer step `step`."""

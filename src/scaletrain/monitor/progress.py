@@ -36,23 +36,37 @@ class StepProgress:
             from rich.console import Console
 
             self._bar = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False,
-                console=Console(file=console) if console is not None else None)
-            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-",
-                                        extra="")
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("{task.fields[extra]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                transient=False,
+                console=Console(file=console) if console is not None else None,
+            )
+            self._task = self._bar.add_task(
+                "train", total=total_steps, completed=start_step, loss="-", tps="-", extra=""
+            )
             self._bar.start()
 
     def update(self, step: int, loss: float, tokens_per_s: float, extra: str = "") -> None:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}",
-                             extra=extra)
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", extra=extra)
         else:
-            log.info("step %d/%d  loss %.4f  %s tok/s%s", step, self.total, loss, f"{tokens_per_s:,.0f}",
-                     f"  {extra}" if extra else "")
+            log.info(
+                "step %d/%d  loss %.4f  %s tok/s%s",
+                step,
+                self.total,
+                loss,
+                f"{tokens_per_s:,.0f}",
+                f"  {extra}" if extra else "",
+            )
 
     def message(self, text: str) -> None:
         if not self.enabled:

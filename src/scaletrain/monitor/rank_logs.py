@@ -38,8 +38,11 @@ def redirect_to_rank_log(run_dir: Path, rank: int) -> TextIO:
     console = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    os.write(fd, f"{ATTEMPT_MARK} {rank}, attempt {attempt}, pid {os.getpid()}, "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode())
+    os.write(
+        fd,
+        f"{ATTEMPT_MARK} {rank}, attempt {attempt}, pid {os.getpid()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} ---\n".encode(),
+    )
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -64,8 +67,11 @@ def failure_cause(path: Path, rank: int) -> str | None:
         return None
     starts = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT_MARK)]
     prefix = f"[rank{rank}] "
-    found = [line[len(prefix):].strip() for line in lines[starts[-1] if starts else 0:]
-             if line.startswith(prefix) and not line.rstrip().endswith(":")]
+    found = [
+        line[len(prefix) :].strip()
+        for line in lines[starts[-1] if starts else 0 :]
+        if line.startswith(prefix) and not line.rstrip().endswith(":")
+    ]
     hangs = [line for line in found if line.startswith("hang:")]  # the diagnosis, not the notes after it
     return (hangs or found)[-1] if found else None
 
@@ -110,10 +116,15 @@ class _AgentFailures(logging.Filter):
         if self.restarts_left > 0:
             self.restarts_left -= 1
             done = self.restarts - self.restarts_left
-            who = failure_line(self.run_dir, local_rank, exitcode) if self.nnodes == 1 else \
-                f"local rank {local_rank} ({_exit_text(exitcode)}); logs in {_shown(self.run_dir / 'logs')}"
-            sys.stderr.write(f"scaletrain: restarting the worker group (restart {done} of {self.restarts}) after "
-                             f"a failure on {who}\n")
+            who = (
+                failure_line(self.run_dir, local_rank, exitcode)
+                if self.nnodes == 1
+                else f"local rank {local_rank} ({_exit_text(exitcode)}); logs in {_shown(self.run_dir / 'logs')}"
+            )
+            sys.stderr.write(
+                f"scaletrain: restarting the worker group (restart {done} of {self.restarts}) after "
+                f"a failure on {who}\n"
+            )
             sys.stderr.flush()
         return False
 

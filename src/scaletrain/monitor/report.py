@@ -13,10 +13,15 @@ from scaletrain.monitor.diagnosis import Thresholds, diagnose
 from scaletrain.monitor.metrics import read_jsonl
 from scaletrain.monitor.session import read_samples, read_top_ops
 
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
-PHASE_COLORS = {"data": "#d62728", "forward": "#1f77b4", "backward": "#2ca02c", "comm": "#ff7f0e",
-                "optimizer": "#9467bd", "other": "#b0b0b0"}
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+PHASE_COLORS = {
+    "data": "#d62728",
+    "forward": "#1f77b4",
+    "backward": "#2ca02c",
+    "comm": "#ff7f0e",
+    "optimizer": "#9467bd",
+    "other": "#b0b0b0",
+}
 W, H, ML, MR, MT, MB = 560, 260, 64, 16, 30, 40
 
 
@@ -45,8 +50,18 @@ def _fmt(v) -> str:
     return f"{v:.4g}"
 
 
-def _frame(title: str, xlabel: str, ylabel: str, x0, x1, y0, y1, body, legend: list[tuple[str, str]],
-           xticks: list[tuple[float, str]] | None = None) -> str:
+def _frame(
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    x0,
+    x1,
+    y0,
+    y1,
+    body,
+    legend: list[tuple[str, str]],
+    xticks: list[tuple[float, str]] | None = None,
+) -> str:
     pw, ph = W - ML - MR, H - MT - MB
 
     def sx(x):
@@ -55,30 +70,39 @@ def _frame(title: str, xlabel: str, ylabel: str, x0, x1, y0, y1, body, legend: l
     def sy(y):
         return MT + ph - (y - y0) / ((y1 - y0) or 1) * ph
 
-    parts = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-             f'viewBox="0 0 {W} {H}" role="img" aria-label="{_e(title)}">',
-             f'<text x="{W / 2}" y="18" text-anchor="middle" class="t">{_e(title)}</text>']
+    parts = [
+        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+        f'viewBox="0 0 {W} {H}" role="img" aria-label="{_e(title)}">',
+        f'<text x="{W / 2}" y="18" text-anchor="middle" class="t">{_e(title)}</text>',
+    ]
     for ty in _nice_ticks(y0, y1):
-        parts.append(f'<line x1="{ML}" x2="{W - MR}" y1="{sy(ty):.1f}" y2="{sy(ty):.1f}" class="g"/>'
-                     f'<text x="{ML - 4}" y="{sy(ty) + 4:.1f}" text-anchor="end">{_e(_fmt(ty))}</text>')
+        parts.append(
+            f'<line x1="{ML}" x2="{W - MR}" y1="{sy(ty):.1f}" y2="{sy(ty):.1f}" class="g"/>'
+            f'<text x="{ML - 4}" y="{sy(ty) + 4:.1f}" text-anchor="end">{_e(_fmt(ty))}</text>'
+        )
     for tx, label in xticks if xticks is not None else [(t, _fmt(t)) for t in _nice_ticks(x0, x1)]:
         parts.append(f'<text x="{sx(tx):.1f}" y="{H - MB + 14}" text-anchor="middle">{_e(label)}</text>')
-    parts.append(f'<line x1="{ML}" x2="{W - MR}" y1="{MT + ph}" y2="{MT + ph}" class="a"/>'
-                 f'<line x1="{ML}" x2="{ML}" y1="{MT}" y2="{MT + ph}" class="a"/>')
-    parts.append(f'<text x="{ML + pw / 2}" y="{H - 6}" text-anchor="middle">{_e(xlabel)}</text>'
-                 f'<text transform="translate(12 {MT + ph / 2}) rotate(-90)" text-anchor="middle">{_e(ylabel)}</text>')
+    parts.append(
+        f'<line x1="{ML}" x2="{W - MR}" y1="{MT + ph}" y2="{MT + ph}" class="a"/>'
+        f'<line x1="{ML}" x2="{ML}" y1="{MT}" y2="{MT + ph}" class="a"/>'
+    )
+    parts.append(
+        f'<text x="{ML + pw / 2}" y="{H - 6}" text-anchor="middle">{_e(xlabel)}</text>'
+        f'<text transform="translate(12 {MT + ph / 2}) rotate(-90)" text-anchor="middle">{_e(ylabel)}</text>'
+    )
     parts.append(body(sx, sy))
     lx = W - MR - 96  # legend in the top-right corner
     for i, (name, color) in enumerate(legend):
         y = MT + 10 + 14 * i
-        parts.append(f'<rect x="{lx}" y="{y - 8}" width="10" height="10" fill="{color}"/>'
-                     f'<text x="{lx + 14}" y="{y + 1}">{_e(name)}</text>')
+        parts.append(
+            f'<rect x="{lx}" y="{y - 8}" width="10" height="10" fill="{color}"/>'
+            f'<text x="{lx + 14}" y="{y + 1}">{_e(name)}</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def line_chart(title: str, series: list[tuple[str, list, list]], xlabel: str, ylabel: str,
-               zero: bool = False) -> str:
+def line_chart(title: str, series: list[tuple[str, list, list]], xlabel: str, ylabel: str, zero: bool = False) -> str:
     """SVG line chart; series: (name, xs, ys). Missing (None) and non-finite points are dropped."""
     series = [(n, [x for x, y in zip(xs, ys) if _ok(y)], [y for y in ys if _ok(y)]) for n, xs, ys in series]
     series = [s for s in series if s[1]]
@@ -95,12 +119,16 @@ def line_chart(title: str, series: list[tuple[str, list, list]], xlabel: str, yl
         for i, (name, px, py) in enumerate(series):
             color = COLORS[i % len(COLORS)]
             pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(px, py))
-            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{pts}">'
-                       f'<title>{_e(name)}</title></polyline>')
+            out.append(
+                f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{pts}">'
+                f"<title>{_e(name)}</title></polyline>"
+            )
             if len(px) <= 60:
-                out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}">'
-                        f'<title>{_e(name)}: {_e(_fmt(x))}, {_e(f"{y:.4g}")}</title></circle>'
-                        for x, y in zip(px, py)]
+                out += [
+                    f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}">'
+                    f"<title>{_e(name)}: {_e(_fmt(x))}, {_e(f'{y:.4g}')}</title></circle>"
+                    for x, y in zip(px, py)
+                ]
         return "".join(out)
 
     legend = [(n, COLORS[i % len(COLORS)]) for i, (n, _, _) in enumerate(series)] if len(series) > 1 else []
@@ -124,9 +152,11 @@ def stacked_bars(title: str, steps: list[float], layers: list[tuple[str, list[fl
             for name, vals in layers:
                 v = vals[i]
                 if v > 0:
-                    out.append(f'<rect x="{x:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
-                               f'height="{sy(base) - sy(base + v):.1f}" fill="{PHASE_COLORS.get(name, "#999")}">'
-                               f'<title>step {_e(_fmt(step))} {_e(name)}: {v:.2f} ms</title></rect>')
+                    out.append(
+                        f'<rect x="{x:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
+                        f'height="{sy(base) - sy(base + v):.1f}" fill="{PHASE_COLORS.get(name, "#999")}">'
+                        f"<title>step {_e(_fmt(step))} {_e(name)}: {v:.2f} ms</title></rect>"
+                    )
                 base += v
         return "".join(out)
 
@@ -165,63 +195,137 @@ def build_report(run_dir: Path) -> str:
     train = [r for r in records if "loss" in r]
     timed = [r for r in train if "time_data_s" in r]
 
-    charts = [line_chart("Loss", [("train", *_col(train, "loss")), ("validation", *_col(records, "val_loss"))],
-                         "step", "loss"),
-              line_chart("Throughput", [("tokens/s", *_col(train, "tokens_per_s"))], "step", "tokens/s", zero=True)]
+    charts = [
+        line_chart(
+            "Loss", [("train", *_col(train, "loss")), ("validation", *_col(records, "val_loss"))], "step", "loss"
+        ),
+        line_chart("Throughput", [("tokens/s", *_col(train, "tokens_per_s"))], "step", "tokens/s", zero=True),
+    ]
     xs, mfu = _col(train, "mfu")
     charts.append(line_chart("MFU", [("MFU", xs, [v * 100 for v in mfu])], "step", "% of peak", zero=True))
     n_ranks = max((len(r.get("peak_mem_bytes_per_rank") or []) for r in timed), default=0)
     mem_label = "peak allocated, GB" if meta.get("device") == "cuda" else "peak RSS (CPU host), GB"
-    charts.append(line_chart(
-        "Peak memory per rank",
-        [(f"rank {i}", [r["step"] for r in timed], [r["peak_mem_bytes_per_rank"][i] / 1e9 for r in timed])
-         for i in range(n_ranks)], "step", mem_label))
+    charts.append(
+        line_chart(
+            "Peak memory per rank",
+            [
+                (f"rank {i}", [r["step"] for r in timed], [r["peak_mem_bytes_per_rank"][i] / 1e9 for r in timed])
+                for i in range(n_ranks)
+            ],
+            "step",
+            mem_label,
+        )
+    )
     phases = ("data", "forward", "backward", "comm", "optimizer", "other")
-    charts.append(stacked_bars("Step time breakdown (rank mean)", [r["step"] for r in timed],
-                               [(p, [r.get(f"time_{p}_s", 0.0) * 1e3 for r in timed]) for p in phases], "ms"))
-    charts.append(line_chart(
-        "Busy time per rank (straggler check)",
-        [(f"rank {i}", [r["step"] for r in timed], [r["busy_s_per_rank"][i] * 1e3 for r in timed])
-         for i in range(n_ranks)], "step", "ms per step"))
+    charts.append(
+        stacked_bars(
+            "Step time breakdown (rank mean)",
+            [r["step"] for r in timed],
+            [(p, [r.get(f"time_{p}_s", 0.0) * 1e3 for r in timed]) for p in phases],
+            "ms",
+        )
+    )
+    charts.append(
+        line_chart(
+            "Busy time per rank (straggler check)",
+            [
+                (f"rank {i}", [r["step"] for r in timed], [r["busy_s_per_rank"][i] * 1e3 for r in timed])
+                for i in range(n_ranks)
+            ],
+            "step",
+            "ms per step",
+        )
+    )
     gpu = any(s.get("kind") == "gpu" for rs in samples.values() for s in rs)
     if gpu:
-        charts.append(line_chart("GPU power per rank", [(f"rank {r}", [s["t"] for s in rs],
-                                                         [s.get("power_w") for s in rs])
-                                                        for r, rs in sorted(samples.items())], "seconds", "W"))
-        charts.append(line_chart("GPU utilisation per rank", [(f"rank {r}", [s["t"] for s in rs],
-                                                               [s.get("util_pct") for s in rs])
-                                                              for r, rs in sorted(samples.items())],
-                                 "seconds", "%", zero=True))
+        charts.append(
+            line_chart(
+                "GPU power per rank",
+                [
+                    (f"rank {r}", [s["t"] for s in rs], [s.get("power_w") for s in rs])
+                    for r, rs in sorted(samples.items())
+                ],
+                "seconds",
+                "W",
+            )
+        )
+        charts.append(
+            line_chart(
+                "GPU utilisation per rank",
+                [
+                    (f"rank {r}", [s["t"] for s in rs], [s.get("util_pct") for s in rs])
+                    for r, rs in sorted(samples.items())
+                ],
+                "seconds",
+                "%",
+                zero=True,
+            )
+        )
     elif samples:
-        charts.append(line_chart("CPU host: process CPU per rank (no GPU)",
-                                 [(f"rank {r}", [s["t"] for s in rs], [s.get("process_cpu_pct") for s in rs])
-                                  for r, rs in sorted(samples.items())], "seconds", "% of one core", zero=True))
-        charts.append(line_chart("CPU host: resident memory per rank (no GPU)",
-                                 [(f"rank {r}", [s["t"] for s in rs], [s.get("rss_bytes", 0) / 1e9 for s in rs])
-                                  for r, rs in sorted(samples.items())], "seconds", "RSS, GB"))
+        charts.append(
+            line_chart(
+                "CPU host: process CPU per rank (no GPU)",
+                [
+                    (f"rank {r}", [s["t"] for s in rs], [s.get("process_cpu_pct") for s in rs])
+                    for r, rs in sorted(samples.items())
+                ],
+                "seconds",
+                "% of one core",
+                zero=True,
+            )
+        )
+        charts.append(
+            line_chart(
+                "CPU host: resident memory per rank (no GPU)",
+                [
+                    (f"rank {r}", [s["t"] for s in rs], [s.get("rss_bytes", 0) / 1e9 for s in rs])
+                    for r, rs in sorted(samples.items())
+                ],
+                "seconds",
+                "RSS, GB",
+            )
+        )
 
     sev = {"bottleneck": "bad", "warning": "warn", "info": "info"}
     diag = "".join(
         f'<div class="f {sev[f.severity]}"><b>{_e(f.severity.upper())}: {_e(f.title)}</b>'
-        f'<p>Evidence: {_e(f.evidence)}</p><p>Suggestion: {_e(f.suggestion)}</p></div>' for f in findings)
+        f"<p>Evidence: {_e(f.evidence)}</p><p>Suggestion: {_e(f.suggestion)}</p></div>"
+        for f in findings
+    )
     if not any(f.severity != "info" for f in findings):
-        diag = '<div class="f ok"><b>No bottleneck found</b><p>No rule fired over the measured breakdown.</p></div>' \
-            + diag
+        diag = (
+            '<div class="f ok"><b>No bottleneck found</b><p>No rule fired over the measured breakdown.</p></div>' + diag
+        )
 
-    facts = {"run folder": run_dir.name, "device": meta.get("device_name"), "world size": meta.get("world_size"),
-             "layout": meta.get("layout") or summary.get("layout"), "compute dtype": meta.get("dtype"),
-             "steps": summary.get("steps"), "final loss": summary.get("final_loss"),
-             "validation loss": summary.get("val_loss"), "tokens/s (whole run)": summary.get("tokens_per_s"),
-             "peak FLOP/s used for MFU": meta.get("peak_source"), "MFU convention": meta.get("mfu_convention"),
-             "exposed-communication measure": (timed[-1].get("comm_measure") if timed else None)}
-    fact_rows = "".join(f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v) if _ok(v) else v)}</td></tr>"
-                        for k, v in facts.items() if v is not None)
+    facts = {
+        "run folder": run_dir.name,
+        "device": meta.get("device_name"),
+        "world size": meta.get("world_size"),
+        "layout": meta.get("layout") or summary.get("layout"),
+        "compute dtype": meta.get("dtype"),
+        "steps": summary.get("steps"),
+        "final loss": summary.get("final_loss"),
+        "validation loss": summary.get("val_loss"),
+        "tokens/s (whole run)": summary.get("tokens_per_s"),
+        "peak FLOP/s used for MFU": meta.get("peak_source"),
+        "MFU convention": meta.get("mfu_convention"),
+        "exposed-communication measure": (timed[-1].get("comm_measure") if timed else None),
+    }
+    fact_rows = "".join(
+        f"<tr><th>{_e(k)}</th><td>{_e(_fmt(v) if _ok(v) else v)}</td></tr>" for k, v in facts.items() if v is not None
+    )
     ops = ""
     if top_ops and top_ops.get("ops"):
-        ops = ("<h2>Top operators (profiler window, rank 0)</h2><table><tr><th>operator</th><th>self time, ms</th>"
-               "<th>share</th><th>calls</th></tr>" + "".join(
-                   f"<tr><td>{_e(o['name'])}</td><td>{o['self_time_us'] / 1e3:.2f}</td><td>{o['share']:.1%}</td>"
-                   f"<td>{int(o['calls'])}</td></tr>" for o in top_ops["ops"][:10]) + "</table>")
+        ops = (
+            "<h2>Top operators (profiler window, rank 0)</h2><table><tr><th>operator</th><th>self time, ms</th>"
+            "<th>share</th><th>calls</th></tr>"
+            + "".join(
+                f"<tr><td>{_e(o['name'])}</td><td>{o['self_time_us'] / 1e3:.2f}</td><td>{o['share']:.1%}</td>"
+                f"<td>{int(o['calls'])}</td></tr>"
+                for o in top_ops["ops"][:10]
+            )
+            + "</table>"
+        )
     config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

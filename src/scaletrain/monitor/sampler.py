@@ -46,12 +46,17 @@ class DeviceSampler:
 
         def read() -> dict:
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-            return {"kind": "gpu", "util_pct": float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                    "mem_used_bytes": float(mem.used), "mem_total_bytes": float(mem.total),
-                    "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                    "temp_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
-                    "sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                    "mem_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM))}
+            return {
+                "kind": "gpu",
+                "util_pct": float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                "mem_used_bytes": float(mem.used),
+                "mem_total_bytes": float(mem.total),
+                "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                "temp_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                "sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                "mem_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+            }
+
         return read
 
     def _cpu_reader(self):
@@ -62,8 +67,13 @@ class DeviceSampler:
         psutil.cpu_percent(None)
 
         def read() -> dict:
-            return {"kind": "cpu", "process_cpu_pct": proc.cpu_percent(None),
-                    "host_cpu_pct": psutil.cpu_percent(None), "rss_bytes": float(proc.memory_info().rss)}
+            return {
+                "kind": "cpu",
+                "process_cpu_pct": proc.cpu_percent(None),
+                "host_cpu_pct": psutil.cpu_percent(None),
+                "rss_bytes": float(proc.memory_info().rss),
+            }
+
         return read
 
     def _run(self) -> None:

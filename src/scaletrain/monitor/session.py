@@ -23,8 +23,10 @@ from scaletrain.monitor.progress import log
 from scaletrain.monitor.throughput import peak_flops
 from scaletrain.monitor.timing import NULL_TIMER, StepTimer, combine_ranks, gather_windows
 
-MFU_CONVENTION = ("model FLOPs/token (6N + 12·L·h·s, PaLM appendix B; no recompute) x tokens/s / "
-                  "(world size x catalog dense peak for the compute dtype)")
+MFU_CONVENTION = (
+    "model FLOPs/token (6N + 12·L·h·s, PaLM appendix B; no recompute) x tokens/s / "
+    "(world size x catalog dense peak for the compute dtype)"
+)
 
 
 def thresholds(cfg) -> Thresholds:
@@ -60,15 +62,30 @@ def read_top_ops(run_dir: Path) -> dict | None:
 
 
 class TrainMonitor:
-    def __init__(self, cfg, out: Path, rank: int, world_size: int, device: torch.device, model: torch.nn.Module,
-                 flops_per_token: float | None, dtype: str, start_step: int, layout: str,
-                 pipeline_stages: list[torch.nn.Module] | None = None, pp_bubble: float | None = None):
+    def __init__(
+        self,
+        cfg,
+        out: Path,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        model: torch.nn.Module,
+        flops_per_token: float | None,
+        dtype: str,
+        start_step: int,
+        layout: str,
+        pipeline_stages: list[torch.nn.Module] | None = None,
+        pp_bubble: float | None = None,
+    ):
         """pipeline_stages: this rank's stage modules when a pipeline schedule runs them (their forward passes
         are timed by hooks); pp_bubble: the schedule's predicted idle share, reported beside the measured one."""
         self.cfg, self.out, self.rank, self.device = cfg, out, rank, device
         inject = injected_delays(rank)  # $SCALETRAIN_FAULTS, tests only; a malformed value fails every rank here
-        self.timer = (StepTimer(device, model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=pipeline_stages)
-                      if cfg.breakdown else NULL_TIMER)
+        self.timer = (
+            StepTimer(device, model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=pipeline_stages)
+            if cfg.breakdown
+            else NULL_TIMER
+        )
         self.peak, peak_source = peak_flops(device, dtype, world_size)
         self.flops_per_token = flops_per_token
         self.pp_bubble_predicted = pp_bubble
@@ -76,22 +93,39 @@ class TrainMonitor:
         if cfg.sample_interval_s > 0:
             from scaletrain.monitor.sampler import DeviceSampler
 
-            self.sampler = DeviceSampler(out / "monitor" / f"samples_rank{rank}.jsonl", rank, device,
-                                         cfg.sample_interval_s).start()
+            self.sampler = DeviceSampler(
+                out / "monitor" / f"samples_rank{rank}.jsonl", rank, device, cfg.sample_interval_s
+            ).start()
         self.profiler = None
         if cfg.profile_at_step:
             from scaletrain.monitor.profiler import ProfilerWindow
 
-            self.profiler = ProfilerWindow(out / "profile", rank, device, start_step + 1, cfg.profile_at_step,
-                                           cfg.profile_wait, cfg.profile_warmup, cfg.profile_active,
-                                           timer=self.timer if self.timer.enabled else None)
+            self.profiler = ProfilerWindow(
+                out / "profile",
+                rank,
+                device,
+                start_step + 1,
+                cfg.profile_at_step,
+                cfg.profile_wait,
+                cfg.profile_warmup,
+                cfg.profile_active,
+                timer=self.timer if self.timer.enabled else None,
+            )
         if rank == 0:
             (out / "monitor").mkdir(parents=True, exist_ok=True)
-            meta = {"device": device.type, "device_name": torch.cuda.get_device_name(device)
-                    if device.type == "cuda" else "CPU", "world_size": world_size, "layout": layout,
-                    "dtype": dtype, "peak_flops": self.peak, "peak_source": peak_source,
-                    "flops_per_token": flops_per_token, "mfu_convention": MFU_CONVENTION,
-                    "pp_bubble_predicted": self.pp_bubble_predicted, "thresholds": asdict(thresholds(cfg))}
+            meta = {
+                "device": device.type,
+                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+                "world_size": world_size,
+                "layout": layout,
+                "dtype": dtype,
+                "peak_flops": self.peak,
+                "peak_source": peak_source,
+                "flops_per_token": flops_per_token,
+                "mfu_convention": MFU_CONVENTION,
+                "pp_bubble_predicted": self.pp_bubble_predicted,
+                "thresholds": asdict(thresholds(cfg)),
+            }
             (out / "monitor" / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     def phase(self, name: str):
@@ -115,8 +149,9 @@ class TrainMonitor:
             parts.append(f"MFU {record['mfu']:.2%}")
         st = record.get("step_time_s")
         if st and "time_data_s" in record:
-            parts.append(f"step {st * 1e3:.0f} ms (data {record['time_data_s'] / st:.0%}, "
-                         f"comm {record['time_comm_s'] / st:.0%})")
+            parts.append(
+                f"step {st * 1e3:.0f} ms (data {record['time_data_s'] / st:.0%}, comm {record['time_comm_s'] / st:.0%})"
+            )
             if record.get("straggler_spread", 0) * 100 > self.cfg.straggler_pct:
                 parts.append(f"slowest rank {record['slowest_rank']} +{record['straggler_spread']:.0%}")
         return "  ".join(parts)
@@ -134,10 +169,16 @@ class TrainMonitor:
             self.profiler.close()
         if not with_diagnosis or self.rank != 0 or not (self.out / "metrics.jsonl").is_file():
             return []
-        findings = diagnose(read_jsonl(self.out / "metrics.jsonl"), thresholds(self.cfg), read_samples(self.out),
-                            read_top_ops(self.out), self.pp_bubble_predicted)
+        findings = diagnose(
+            read_jsonl(self.out / "metrics.jsonl"),
+            thresholds(self.cfg),
+            read_samples(self.out),
+            read_top_ops(self.out),
+            self.pp_bubble_predicted,
+        )
         (self.out / "monitor" / "diagnosis.json").write_text(
-            json.dumps([f.to_dict() for f in findings], indent=1) + "\n")
+            json.dumps([f.to_dict() for f in findings], indent=1) + "\n"
+        )
         for f in flagged(findings):
             log.warning("diagnosis: %s: %s. Suggestion: %s", f.title, f.evidence, f.suggestion)
         if not flagged(findings):

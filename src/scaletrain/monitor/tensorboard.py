@@ -7,11 +7,21 @@ from pathlib import Path
 
 # record key -> TensorBoard tag
 TAGS = {
-    "loss": "loss/train", "val_loss": "loss/val", "grad_norm": "optim/grad_norm", "lr": "optim/lr",
-    "loss_scale": "optim/loss_scale", "tokens_per_s": "throughput/tokens_per_s", "mfu": "throughput/mfu",
-    "step_time_s": "time/step_s", "time_data_s": "time/data_s", "time_forward_s": "time/forward_s",
-    "time_backward_s": "time/backward_s", "time_comm_s": "time/comm_s", "time_optimizer_s": "time/optimizer_s",
-    "time_other_s": "time/other_s", "straggler_spread": "ranks/straggler_spread",
+    "loss": "loss/train",
+    "val_loss": "loss/val",
+    "grad_norm": "optim/grad_norm",
+    "lr": "optim/lr",
+    "loss_scale": "optim/loss_scale",
+    "tokens_per_s": "throughput/tokens_per_s",
+    "mfu": "throughput/mfu",
+    "step_time_s": "time/step_s",
+    "time_data_s": "time/data_s",
+    "time_forward_s": "time/forward_s",
+    "time_backward_s": "time/backward_s",
+    "time_comm_s": "time/comm_s",
+    "time_optimizer_s": "time/optimizer_s",
+    "time_other_s": "time/other_s",
+    "straggler_spread": "ranks/straggler_spread",
     "pp_bubble_measured": "time/pp_bubble_measured",
 }
 # per-rank lists -> one tag per rank

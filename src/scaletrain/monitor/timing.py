@@ -28,8 +28,19 @@ import torch.distributed as dist
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer")
 # layout of the per-rank vector gathered at log steps
-_FIELDS = ("data", "forward", "backward", "comm", "optimizer", "fb", "pp_forward", "steps", "hooked", "peak_mem",
-           "mem_capacity")
+_FIELDS = (
+    "data",
+    "forward",
+    "backward",
+    "comm",
+    "optimizer",
+    "fb",
+    "pp_forward",
+    "steps",
+    "hooked",
+    "peak_mem",
+    "mem_capacity",
+)
 
 
 class _NullPhase:
@@ -117,8 +128,14 @@ class StepTimer:
 
     enabled = True
 
-    def __init__(self, device: torch.device, model: torch.nn.Module | None = None, nvtx: bool = False,
-                 inject: dict[str, float] | None = None, pipeline_stages: list[torch.nn.Module] | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        model: torch.nn.Module | None = None,
+        nvtx: bool = False,
+        inject: dict[str, float] | None = None,
+        pipeline_stages: list[torch.nn.Module] | None = None,
+    ):
         self.cuda = device.type == "cuda"
         self.device = device
         self.nvtx = nvtx and self.cuda
@@ -235,15 +252,19 @@ def combine_ranks(rows: list[dict[str, float]], step_time_s: float) -> dict:
     means = {f"time_{k}_s": sum(r[k] for r in rows) / n for k in PHASES}
     out: dict[str, object] = {**means, "time_other_s": max(step_time_s - sum(means.values()), 0.0)}
     busy = [r["busy"] for r in rows]
-    med = sorted(busy)[n // 2] if n % 2 else sum(sorted(busy)[n // 2 - 1:n // 2 + 1]) / 2
+    med = sorted(busy)[n // 2] if n % 2 else sum(sorted(busy)[n // 2 - 1 : n // 2 + 1]) / 2
     slowest = max(range(n), key=lambda i: busy[i])
-    out.update({
-        "busy_s_per_rank": busy, "comm_s_per_rank": [r["comm"] for r in rows],
-        "data_s_per_rank": [r["data"] for r in rows],
-        "peak_mem_bytes_per_rank": [r["peak_mem"] for r in rows],
-        "straggler_spread": (busy[slowest] - med) / med if med > 0 else 0.0, "slowest_rank": slowest,
-        "comm_measure": "pipeline schedule" if pp else ("grad-ready hooks" if hooked else "peer difference"),
-    })
+    out.update(
+        {
+            "busy_s_per_rank": busy,
+            "comm_s_per_rank": [r["comm"] for r in rows],
+            "data_s_per_rank": [r["data"] for r in rows],
+            "peak_mem_bytes_per_rank": [r["peak_mem"] for r in rows],
+            "straggler_spread": (busy[slowest] - med) / med if med > 0 else 0.0,
+            "slowest_rank": slowest,
+            "comm_measure": "pipeline schedule" if pp else ("grad-ready hooks" if hooked else "peer difference"),
+        }
+    )
     if rows[0]["mem_capacity"] > 0:
         out["mem_capacity_bytes"] = rows[0]["mem_capacity"]
     if pp:

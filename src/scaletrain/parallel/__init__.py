@@ -6,5 +6,15 @@ from scaletrain.parallel.dims import ParallelDims, build_mesh, dp_coordinates
 from scaletrain.parallel.runtime import Runtime, init_distributed, pick_device_type, shutdown_distributed
 from scaletrain.parallel.state import full_state_dict
 
-__all__ = ["ParallelDims", "ParallelModel", "Runtime", "apply_parallelism", "build_mesh", "dp_coordinates", "full_state_dict",
-           "init_distributed", "pick_device_type", "shutdown_distributed"]
+__all__ = [
+    "ParallelDims",
+    "ParallelModel",
+    "Runtime",
+    "apply_parallelism",
+    "build_mesh",
+    "dp_coordinates",
+    "full_state_dict",
+    "init_distributed",
+    "pick_device_type",
+    "shutdown_distributed",
+]

@@ -18,12 +18,19 @@ from scaletrain.parallel.blocks import block_container, block_items, set_block
 
 
 def _saved_ops() -> set:
-    names = [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"),
-             ("aten", "_scaled_dot_product_efficient_attention"), ("aten", "_scaled_dot_product_flash_attention"),
-             ("aten", "_scaled_dot_product_flash_attention_for_cpu"), ("aten", "_scaled_dot_product_cudnn_attention"),
-             # tensor-parallel collectives: recomputing them would repeat the communication
-             ("_c10d_functional", "reduce_scatter_tensor"), ("_c10d_functional", "all_gather_into_tensor"),
-             ("_c10d_functional", "all_reduce")]
+    names = [
+        ("aten", "mm"),
+        ("aten", "addmm"),
+        ("aten", "bmm"),
+        ("aten", "_scaled_dot_product_efficient_attention"),
+        ("aten", "_scaled_dot_product_flash_attention"),
+        ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("aten", "_scaled_dot_product_cudnn_attention"),
+        # tensor-parallel collectives: recomputing them would repeat the communication
+        ("_c10d_functional", "reduce_scatter_tensor"),
+        ("_c10d_functional", "all_gather_into_tensor"),
+        ("_c10d_functional", "all_reduce"),
+    ]
     ops = set()
     for namespace, name in names:
         packet = getattr(getattr(torch.ops, namespace), name, None)
@@ -46,12 +53,14 @@ def _wrap(block: nn.Module, op_level: bool) -> nn.Module:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     policy = partial(_op_policy, _saved_ops())
-    return checkpoint_wrapper(block, preserve_rng_state=False,
-                              context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    return checkpoint_wrapper(
+        block, preserve_rng_state=False, context_fn=lambda: create_selective_checkpoint_contexts(policy)
+    )
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, selective: str = "op", every: int = 2,
-                                   spec: ModelSpec | None = None) -> int:
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str, selective: str = "op", every: int = 2, spec: ModelSpec | None = None
+) -> int:
     """Wrap the model's blocks (parallel/blocks.py) in place (mode: none / full / selective, selective: op /
     layer, every: checkpoint every k-th block for selective layer). Returns the number of blocks wrapped."""
     if mode == "none":

@@ -55,24 +55,39 @@ def _materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.M
         model.to(device)
 
 
-def _parallelize(model: nn.Module, spec: ModelSpec | None, dims: ParallelDims, mesh, device: torch.device,
-                 parallel: ParallelConfig, precision: PrecisionConfig,
-                 init_fn: Callable[[nn.Module], None] | None) -> tuple[nn.Module, bool]:
+def _parallelize(
+    model: nn.Module,
+    spec: ModelSpec | None,
+    dims: ParallelDims,
+    mesh,
+    device: torch.device,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    init_fn: Callable[[nn.Module], None] | None,
+) -> tuple[nn.Module, bool]:
     """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it); returns it and whether its
     logits are vocabulary-sharded (loss parallel)."""
     loss_parallel = False
     if dims.tp > 1:
-        loss_parallel = parallel.loss_parallel and dims.pp == 1 and parallel.tp_plan == "model" \
-            and spec is not None and spec.has_output(model)
-        apply_tensor_parallel(model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel),
-                              parallel.tp_plan, spec)
-    apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every,
-                                   spec)
+        loss_parallel = (
+            parallel.loss_parallel
+            and dims.pp == 1
+            and parallel.tp_plan == "model"
+            and spec is not None
+            and spec.has_output(model)
+        )
+        apply_tensor_parallel(
+            model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel), parallel.tp_plan, spec
+        )
+    apply_activation_checkpointing(
+        model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every, spec
+    )
     if parallel.compile:
         apply_compile(model, spec)
     if dims.mode in ("fsdp", "hsdp"):
-        model = apply_fsdp(model, mesh, dims, precision.dtype, precision.reduce_dtype,
-                           parallel.fsdp_reshard_after_forward, spec)
+        model = apply_fsdp(
+            model, mesh, dims, precision.dtype, precision.reduce_dtype, parallel.fsdp_reshard_after_forward, spec
+        )
         _materialize(model, device, init_fn)
         return model, loss_parallel
     _materialize(model, device, init_fn)
@@ -81,10 +96,18 @@ def _parallelize(model: nn.Module, spec: ModelSpec | None, dims: ParallelDims, m
     return model, loss_parallel
 
 
-def apply_parallelism(model: nn.Module, dims: ParallelDims, mesh, device: torch.device, parallel: ParallelConfig,
-                      precision: PrecisionConfig, spec: ModelSpec | None = None,
-                      init_fn: Callable[[nn.Module], None] | None = None, microbatches: int = 1,
-                      seq_len: int | None = None) -> ParallelModel:
+def apply_parallelism(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh,
+    device: torch.device,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    spec: ModelSpec | None = None,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    microbatches: int = 1,
+    seq_len: int | None = None,
+) -> ParallelModel:
     """The model wrapped for `dims` on `mesh`, its weights on `device` (filled by init_fn if on meta).
 
     `spec` answers which modules are the blocks, the TP plan and the pipeline cut; a model without one (setup())
@@ -101,8 +124,13 @@ def apply_parallelism(model: nn.Module, dims: ParallelDims, mesh, device: torch.
     bounds = split_layers(spec.layer_costs(seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = stages_of_rank(pp_rank, dims.pp, n_stages, parallel.pp_schedule)
-    parts = [_parallelize(spec.stage(model, s, n_stages, bounds[s]), spec, dims, mesh, device, parallel, precision,
-                          init_fn)[0] for s in stage_ids]
-    pipeline = build_pipeline(parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches,
-                              bounds)
+    parts = [
+        _parallelize(spec.stage(model, s, n_stages, bounds[s]), spec, dims, mesh, device, parallel, precision, init_fn)[
+            0
+        ]
+        for s in stage_ids
+    ]
+    pipeline = build_pipeline(
+        parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches, bounds
+    )
     return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False)

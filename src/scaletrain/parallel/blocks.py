@@ -9,8 +9,9 @@ from torch import nn
 from scaletrain.models.spec import ModelSpec
 
 
-def block_container(model: nn.Module, spec: ModelSpec | None = None
-                    ) -> tuple[str, nn.ModuleDict | nn.ModuleList] | None:
+def block_container(
+    model: nn.Module, spec: ModelSpec | None = None
+) -> tuple[str, nn.ModuleDict | nn.ModuleList] | None:
     """(path, container) of the model's repeated blocks, or None when it has none."""
     if spec is not None:
         container = spec.blocks(model)

@@ -24,8 +24,15 @@ def _units(model: nn.Module, spec: ModelSpec | None) -> list[nn.Module]:
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 
-def apply_fsdp(model: nn.Module, mesh, dims: ParallelDims, dtype: str, reduce_dtype: str,
-               reshard_after_forward: bool, spec: ModelSpec | None = None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    dims: ParallelDims,
+    dtype: str,
+    reduce_dtype: str,
+    reshard_after_forward: bool,
+    spec: ModelSpec | None = None,
+) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -25,14 +25,16 @@ class ParallelDims:
             if world_size % fixed:
                 raise ValueError(
                     f"parallel: dp_replicate x tp x pp = {fixed} does not divide the world size {world_size}; "
-                    f"change parallel.dp_replicate/tp/pp or the number of ranks")
+                    f"change parallel.dp_replicate/tp/pp or the number of ranks"
+                )
             dp_shard = world_size // fixed
         else:
             dp_shard = cfg.dp_shard
         if fixed * dp_shard != world_size:
             raise ValueError(
                 f"parallel: dp_replicate x dp_shard x tp x pp = {cfg.dp_replicate} x {dp_shard} x {cfg.tp} x {cfg.pp}"
-                f" = {fixed * dp_shard}, but the world size is {world_size}; set parallel.dp_shard=-1 to fill it")
+                f" = {fixed * dp_shard}, but the world size is {world_size}; set parallel.dp_shard=-1 to fill it"
+            )
         return cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp)
 
     @property

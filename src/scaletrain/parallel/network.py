@@ -28,8 +28,12 @@ def is_ip(host: str) -> bool:
 
 def local_addresses() -> dict[str, str]:
     """IP address -> name of the interface of this host that holds it."""
-    return {a.address.split("%")[0]: name for name, addrs in psutil.net_if_addrs().items() for a in addrs
-            if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return {
+        a.address.split("%")[0]: name
+        for name, addrs in psutil.net_if_addrs().items()
+        for a in addrs
+        if a.family in (socket.AF_INET, socket.AF_INET6)
+    }
 
 
 def interface_of(addr: str) -> str:
@@ -54,16 +58,24 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def tcp_store_server(host: str, port: int, timeout_s: float, world_size: int | None = None,
-                     sock: socket.socket | None = None):
+def tcp_store_server(
+    host: str, port: int, timeout_s: float, world_size: int | None = None, sock: socket.socket | None = None
+):
     """A TCPStore server listening on host:port only (not every interface), or on `sock` if given.
     The store takes ownership of the socket (it closes the descriptor when destroyed)."""
     from torch.distributed import TCPStore
 
     sock = sock or listening_socket(host, port)
     port = sock.getsockname()[1]
-    return TCPStore(host, port, world_size=world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                    multi_tenant=True, master_listen_fd=sock.detach())
+    return TCPStore(
+        host,
+        port,
+        world_size=world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def worker_store(environ, timeout_s: float):
@@ -80,8 +92,9 @@ def worker_store(environ, timeout_s: float):
         environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(addr))
     rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     if rank != 0:
-        return TCPStore(addr, int(port), world_size=world, is_master=False, timeout=timedelta(seconds=timeout_s),
-                        multi_tenant=True)
+        return TCPStore(
+            addr, int(port), world_size=world, is_master=False, timeout=timedelta(seconds=timeout_s), multi_tenant=True
+        )
     try:
         sock = listening_socket(addr, int(port))
     except OSError as e:

@@ -24,8 +24,9 @@ def stages_of_rank(rank: int, pp: int, n_stages: int, schedule: str) -> list[int
     return _stages_of_rank(rank, pp, n_stages, pipeline_schedule(schedule).v_shaped)
 
 
-def bubble_fraction(pipeline_order: dict, n_stages: int, forward: float = 1.0, backward_input: float = 1.0,
-                    backward_weight: float = 1.0) -> float | None:
+def bubble_fraction(
+    pipeline_order: dict, n_stages: int, forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0
+) -> float | None:
     """Idle share of the pipeline ranks' time over one step of a torch schedule's action table, replayed with
     equal-cost stages (forward F, input-gradient I and weight-gradient W costs; a full backward is I + W) and
     free communication. None if the table cannot be replayed."""
@@ -114,8 +115,15 @@ class Pipeline:
     micro-batches; the loss (summed token cross-entropy × loss_scale per micro-batch) is computed on the last
     stage, which returns the summed token loss; other ranks return zero."""
 
-    def __init__(self, stages: list, schedule, n_stages: int, n_microbatches: int, schedule_name: str,
-                 bounds: list[tuple[int, int]]):
+    def __init__(
+        self,
+        stages: list,
+        schedule,
+        n_stages: int,
+        n_microbatches: int,
+        schedule_name: str,
+        bounds: list[tuple[int, int]],
+    ):
         self.stages = stages
         self.schedule = schedule
         self.n_stages = n_stages
@@ -150,7 +158,7 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros((), device=inputs.device)
         # the first step also runs the loss once on shape-inference tensors: keep the micro-batches' own
-        return torch.stack(self._token_losses[-self.n_microbatches:]).sum()
+        return torch.stack(self._token_losses[-self.n_microbatches :]).sum()
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed token loss (0 off the last
@@ -166,8 +174,10 @@ class Pipeline:
     def describe(self) -> str:
         bubble = f", bubble {self.bubble:.1%} (equal-cost stages, F:B = 1:2)" if self.bubble is not None else ""
         layers = f" (layers {' '.join(f'{a}-{b - 1}' for a, b in self.bounds)})"
-        return (f"pipeline {self.schedule_name}: {self.n_stages} stages{layers}, {self.n_microbatches} "
-                f"micro-batches{bubble}")
+        return (
+            f"pipeline {self.schedule_name}: {self.n_stages} stages{layers}, {self.n_microbatches} "
+            f"micro-batches{bubble}"
+        )
 
 
 class PipelinedModel(nn.ModuleList):
@@ -179,8 +189,16 @@ class PipelinedModel(nn.ModuleList):
         self.stage_ids = stage_ids
 
 
-def build_pipeline(parts: list[nn.Module], stage_ids: list[int], n_stages: int, pp_mesh, device: torch.device,
-                   schedule_name: str, n_microbatches: int, bounds: list[tuple[int, int]]) -> Pipeline:
+def build_pipeline(
+    parts: list[nn.Module],
+    stage_ids: list[int],
+    n_stages: int,
+    pp_mesh,
+    device: torch.device,
+    schedule_name: str,
+    n_microbatches: int,
+    bounds: list[tuple[int, int]],
+) -> Pipeline:
     """PipelineStages for this rank's parts and the named schedule over them (gradients not rescaled: the loss
     already carries the step's normalisation)."""
     from torch.distributed.pipelining import PipelineStage

@@ -17,10 +17,20 @@ from collections.abc import Mapping, MutableMapping
 # variable is set wins. Sources: Open MPI mpirun(1) "Exported environment variables"; MPICH and Intel MPI
 # Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS); MVAPICH2 user guide; PMIx standard (PMIX_RANK).
 FAMILIES = (
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("MVAPICH2", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-     "MV2_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "Open MPI",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    (
+        "MVAPICH2",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ("PMIx", "PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
 )
@@ -75,8 +85,10 @@ def torch_env_from_mpi(env: Mapping[str, str] = os.environ, rdzv_endpoint: str |
             port = port or (cfg_port if cfg_port not in ("", "0") else None)
         if not addr:
             if not one_host:
-                raise ValueError(f"{family}: ranks may span several hosts; set MASTER_ADDR to rank 0's host "
-                                 f"(e.g. mpirun -x MASTER_ADDR=node0) or launch.rdzv_endpoint=node0:29500")
+                raise ValueError(
+                    f"{family}: ranks may span several hosts; set MASTER_ADDR to rank 0's host "
+                    f"(e.g. mpirun -x MASTER_ADDR=node0) or launch.rdzv_endpoint=node0:29500"
+                )
             addr = "127.0.0.1"
         out["MASTER_ADDR"] = addr
         out["MASTER_PORT"] = port or str(_port_for(env))

@@ -50,8 +50,13 @@ def init_distributed(device_type: str, timeout_s: float = 600.0, rdzv_endpoint: 
             if store is None:
                 dist.init_process_group(backend, timeout=timeout)
             else:
-                dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                        world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=int(os.environ["RANK"]),
+                    world_size=int(os.environ["WORLD_SIZE"]),
+                    timeout=timeout,
+                )
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         atexit.register(shutdown_distributed)  # a no-op when the caller already left the group

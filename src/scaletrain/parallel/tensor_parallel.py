@@ -86,8 +86,10 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
                 plan[f"{bpath}.{n}"] = ColwiseParallel()
             plan[f"{bpath}.{out}"] = RowwiseParallel()
     if not plan:
-        raise ValueError("parallel.tp_plan: auto found no attention or MLP linears in the model's blocks; "
-                         "use parallel.tp_plan=model or parallel.tp=1")
+        raise ValueError(
+            "parallel.tp_plan: auto found no attention or MLP linears in the model's blocks; "
+            "use parallel.tp_plan=model or parallel.tp=1"
+        )
     inside = tuple(f"{b}." for b, _ in blocks)
     for name, m in model.named_modules():
         if name.startswith(inside):
@@ -100,8 +102,9 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, opts: TPOptions, plan: str = "model",
-                          spec: ModelSpec | None = None) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, opts: TPOptions, plan: str = "model", spec: ModelSpec | None = None
+) -> nn.Module:
     """Shard `model` (or a pipeline stage of it) over tp_mesh in place: the spec's plan (plan='model'), or the
     structural one (plan='auto', or a model without a spec). Works on the meta device: the weights are filled
     afterwards by the spec's init_weights, which distributes each full tensor."""

@@ -6,6 +6,19 @@ from scaletrain.plan.layout import Layout, Workload
 from scaletrain.plan.search import PlanResult, PlanRow, SearchOptions, evaluate_layout, search_layouts
 
 __all__ = [
-    "Budget", "Fit", "Layout", "PlanResult", "PlanRow", "SearchOptions", "Workload", "budget_for", "compare_gpus",
-    "evaluate_layout", "explain_alternatives", "explain_top", "fits_on", "search_layouts", "smallest_setup",
+    "Budget",
+    "Fit",
+    "Layout",
+    "PlanResult",
+    "PlanRow",
+    "SearchOptions",
+    "Workload",
+    "budget_for",
+    "compare_gpus",
+    "evaluate_layout",
+    "explain_alternatives",
+    "explain_top",
+    "fits_on",
+    "search_layouts",
+    "smallest_setup",
 ]

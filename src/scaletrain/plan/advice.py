@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.hardware.cluster import Cluster, make_cluster
+from scaletrain.hardware.cluster import DEFAULT_PUE, Cluster, make_cluster
 from scaletrain.plan.layout import Workload
 from scaletrain.plan.search import PlanResult, PlanRow, SearchOptions, search_layouts
 
@@ -53,13 +53,17 @@ def fit_reason(result: PlanResult) -> str:
         r = result.rows[0]
         return f"fits: {r.layout.describe()} needs {r.memory_total / 1e9:.1f} of {cap:.0f} GB"
     if not len(result.mem_total):
-        return (f"model states alone (16 bytes per parameter: fp32 weights, gradients, AdamW) exceed "
-                f"{cap:.0f} GB on every layout of {result.cluster.gpus} GPU(s)")
+        return (
+            f"model states alone (16 bytes per parameter: fp32 weights, gradients, AdamW) exceed "
+            f"{cap:.0f} GB on every layout of {result.cluster.gpus} GPU(s)"
+        )
     i = int(result.mem_total.argmin())
     r = result.row_at(i)
     top = sorted(r.memory.items(), key=lambda kv: -kv[1])[:2]
-    return (f"does not fit: the leanest layout ({r.layout.describe()}) needs {r.memory_total / 1e9:.1f} GB > "
-            f"{cap:.0f} GB ({', '.join(f'{k} {v / 1e9:.1f} GB' for k, v in top)})")
+    return (
+        f"does not fit: the leanest layout ({r.layout.describe()}) needs {r.memory_total / 1e9:.1f} GB > "
+        f"{cap:.0f} GB ({', '.join(f'{k} {v / 1e9:.1f} GB' for k, v in top)})"
+    )
 
 
 def fits_on(work: Workload, cluster: Cluster, opts: SearchOptions | None = None) -> Fit:
@@ -92,9 +96,11 @@ def smallest_setup(work: Workload, cluster: Cluster, opts: SearchOptions | None 
 def no_fit_message(work: Workload, cluster: Cluster, result: PlanResult, opts: SearchOptions | None = None) -> str:
     """One line for a search where nothing fits: why, and the smallest setup of this GPU that works, if any."""
     smallest = smallest_setup(work, cluster, opts)
-    where = (f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} "
-             f"({smallest.row.layout.describe()})" if smallest and smallest.row else
-             f"it fits on no count of {cluster.gpu.name} up to {MAX_GPUS_TRIED:,}")
+    where = (
+        f"the smallest setup that works is {smallest.gpus} x {cluster.gpu.name} ({smallest.row.layout.describe()})"
+        if smallest and smallest.row
+        else f"it fits on no count of {cluster.gpu.name} up to {MAX_GPUS_TRIED:,}"
+    )
     return f"{work.model_name} does not fit on {cluster.gpus} x {cluster.gpu.name}: {fit_reason(result)}; {where}"
 
 
@@ -107,10 +113,15 @@ def setup_advice(work: Workload, cluster: Cluster, result: PlanResult, opts: Sea
     if not one.fits:
         smallest = smallest_setup(work, cluster, opts)
         if smallest and smallest.row:
-            nodes = "one server" if smallest.gpus <= cluster.gpus_per_node else \
-                f"{smallest.gpus // cluster.gpus_per_node} nodes"
-            advice.append(f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
-                          f"{smallest.row.layout.describe()}")
+            nodes = (
+                "one server"
+                if smallest.gpus <= cluster.gpus_per_node
+                else f"{smallest.gpus // cluster.gpus_per_node} nodes"
+            )
+            advice.append(
+                f"smallest setup that fits: {smallest.gpus} x {cluster.gpu.name} ({nodes}): "
+                f"{smallest.row.layout.describe()}"
+            )
     return advice
 
 
@@ -118,27 +129,61 @@ def budget_for(result: PlanResult, tokens: float) -> Budget:
     """Time, GPU-hours, cost and energy of training `tokens` tokens with the best layout of `result`."""
     c = result.cluster
     if not result.rows:
-        return Budget(c.gpu.name, c.gpus, c.nodes, "-", float("nan"), 0.0, 0.0, float("inf"), float("inf"),
-                      float("inf"), float("inf"), c.node_power_w / 1e3, c.nodes * c.node_power_w / 1e3, False,
-                      fit_reason(result))
+        return Budget(
+            c.gpu.name,
+            c.gpus,
+            c.nodes,
+            "-",
+            float("nan"),
+            0.0,
+            0.0,
+            float("inf"),
+            float("inf"),
+            float("inf"),
+            float("inf"),
+            c.node_power_w / 1e3,
+            c.nodes * c.node_power_w / 1e3,
+            False,
+            fit_reason(result),
+        )
     row = result.rows[0]
     seconds = tokens / row.tokens_per_s
     hours = seconds / 3600
     cluster_w = c.nodes * c.node_power_w
-    return Budget(c.gpu.name, c.gpus, c.nodes, row.layout.describe(), row.step_s, row.tokens_per_s, row.mfu,
-                  seconds, c.gpus * hours, c.gpus * hours * c.usd_per_gpu_hour, cluster_w * c.pue * hours / 1e3,
-                  c.node_power_w / 1e3, cluster_w / 1e3)
+    return Budget(
+        c.gpu.name,
+        c.gpus,
+        c.nodes,
+        row.layout.describe(),
+        row.step_s,
+        row.tokens_per_s,
+        row.mfu,
+        seconds,
+        c.gpus * hours,
+        c.gpus * hours * c.usd_per_gpu_hour,
+        cluster_w * c.pue * hours / 1e3,
+        c.node_power_w / 1e3,
+        cluster_w / 1e3,
+    )
 
 
-def compare_gpus(work: Workload, gpu_names: list[str], gpus: int, tokens: float,
-                 opts: SearchOptions | None = None, inter_link: str | None = None,
-                 usd_per_gpu_hour: float | None = None, pue: float | None = None) -> list[Budget]:
+def compare_gpus(
+    work: Workload,
+    gpu_names: list[str],
+    gpus: int,
+    tokens: float,
+    opts: SearchOptions | None = None,
+    inter_link: str | None = None,
+    usd_per_gpu_hour: float | None = None,
+    pue: float | None = None,
+) -> list[Budget]:
     """The same workload and token budget on `gpus` GPUs of each type, each with its usual links."""
     out = []
     for name in gpu_names:
         probe = make_cluster(name, gpus)
         interconnect = f"{probe.intra_link.name},{inter_link}" if inter_link else None
-        cluster = make_cluster(name, gpus, interconnect, usd_per_gpu_hour=usd_per_gpu_hour,
-                               **({} if pue is None else {"pue": pue}))  # type: ignore[arg-type]
+        cluster = make_cluster(
+            name, gpus, interconnect, usd_per_gpu_hour=usd_per_gpu_hour, pue=DEFAULT_PUE if pue is None else pue
+        )
         out.append(budget_for(search_layouts(work, cluster, opts), tokens))
     return out

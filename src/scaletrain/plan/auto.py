@@ -34,9 +34,11 @@ class AutoPlan:
         """One line: which plan, and why (its predicted step time)."""
         c = self.cluster
         cal = f", {c.calibration_note}" if c.calibration_note else ""
-        return (f"plan auto: {self.row.layout.describe()} - predicted {self.row.step_s * 1e3:,.1f} ms/step, "
-                f"{self.row.tokens_per_s:,.0f} tokens/s, the fastest layout the trainer runs on {c.gpus} x "
-                f"{c.gpu.name}{cal}; applying {self.row.layout.as_overrides()}")
+        return (
+            f"plan auto: {self.row.layout.describe()} - predicted {self.row.step_s * 1e3:,.1f} ms/step, "
+            f"{self.row.tokens_per_s:,.0f} tokens/s, the fastest layout the trainer runs on {c.gpus} x "
+            f"{c.gpu.name}{cal}; applying {self.row.layout.as_overrides()}"
+        )
 
 
 def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> set[str]:
@@ -62,8 +64,12 @@ def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> s
 
 def overruled(layout: Layout, cfg: JobConfig, given: set[str]) -> list[str]:
     """Dotted keys the user set (`given`) to a value other than the layout's: a plan they would change."""
-    return [f"{section}.{key}" for section, values in layout.settings().items() for key, value in values.items()
-            if f"{section}.{key}" in given and getattr(getattr(cfg, section), key, None) != value]
+    return [
+        f"{section}.{key}"
+        for section, values in layout.settings().items()
+        for key, value in values.items()
+        if f"{section}.{key}" in given and getattr(getattr(cfg, section), key, None) != value
+    ]
 
 
 def local_cluster(gpu: str, nproc: int, nnodes: int, calibration: str | None = None) -> Cluster:
@@ -74,8 +80,9 @@ def local_cluster(gpu: str, nproc: int, nnodes: int, calibration: str | None = N
     return cluster
 
 
-def auto_plan(path: str | None, overrides: list[str], nproc: int, nnodes: int, gpu: str,
-              calibration: str | None = None) -> AutoPlan:
+def auto_plan(
+    path: str | None, overrides: list[str], nproc: int, nnodes: int, gpu: str, calibration: str | None = None
+) -> AutoPlan:
     """The planner's fastest layout for this job that passes the trainer's preflight. ValueError: one line."""
     from scaletrain.models.registry import model_spec
     from scaletrain.train.preflight import resolve_job
@@ -85,22 +92,26 @@ def auto_plan(path: str | None, overrides: list[str], nproc: int, nnodes: int, g
     spec = model_spec(cfg.model)
     args = spec.shape()
     if args is None:
-        raise ValueError(f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
-                         f"set the layout with parallel.* instead")
+        raise ValueError(
+            f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
+            f"set the layout with parallel.* instead"
+        )
     work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)
     p = cfg.parallel
     # on a CPU host bf16 is no faster (the catalog's CPU entry has equal rates) and fp32 is the trainer's default
-    precisions = (cfg.precision.dtype,) if "precision.dtype" in given else \
-        (("fp32",) if gpu == "cpu" else ("bf16", "fp32"))
+    precisions = (
+        (cfg.precision.dtype,) if "precision.dtype" in given else (("fp32",) if gpu == "cpu" else ("bf16", "fp32"))
+    )
     opts = SearchOptions(
         precisions=precisions,
         ac_modes=(p.activation_checkpoint,) if "parallel.activation_checkpoint" in given else AC_MODES,
         schedules=(p.pp_schedule,) if "parallel.pp_schedule" in given else SCHEDULE_NAMES,
         cp=(1,),  # the trainer has no context parallelism
         max_micro_batch=max(16, cfg.train.micro_batch_size or 1),
-        top=10_000)
+        top=10_000,
+    )
     result = search_layouts(work, cluster, opts)
     for n, row in enumerate(result.rows, 1):
         # a plan the user's own settings would change is not the plan that runs
@@ -112,6 +123,8 @@ def auto_plan(path: str | None, overrides: list[str], nproc: int, nnodes: int, g
         except ValueError:  # ConfigError too: e.g. a setting the trainer lacks
             continue
         return AutoPlan(row, planned, cluster, n)
-    raise ValueError(f"--plan auto: no layout of {work.model_name} (seq {work.seq_len}, global batch "
-                     f"{work.global_batch}) fits and runs on {world} x {cluster.gpu.name} with the settings given; "
-                     f"try `scaletrain plan` for why")
+    raise ValueError(
+        f"--plan auto: no layout of {work.model_name} (seq {work.seq_len}, global batch "
+        f"{work.global_batch}) fits and runs on {world} x {cluster.gpu.name} with the settings given; "
+        f"try `scaletrain plan` for why"
+    )

@@ -23,8 +23,10 @@ def _largest_lines(row: PlanRow, n: int = 3) -> str:
 def _link_phrase(result: PlanResult, tp: int) -> str:
     c = result.cluster
     if tp > c.gpus_per_node:
-        return (f"TP {tp} crosses nodes over {c.inter_link.name} ({c.inter_bw_per_gpu / GB:.0f} GB/s per GPU vs "
-                f"{c.intra_bw / GB:.0f} GB/s on {c.intra_link.name} inside a node)")
+        return (
+            f"TP {tp} crosses nodes over {c.inter_link.name} ({c.inter_bw_per_gpu / GB:.0f} GB/s per GPU vs "
+            f"{c.intra_bw / GB:.0f} GB/s on {c.intra_link.name} inside a node)"
+        )
     return f"TP {tp} stays inside a node on {c.intra_link.name} ({c.intra_bw / GB:.0f} GB/s per GPU)"
 
 
@@ -39,27 +41,42 @@ def explain_top(result: PlanResult) -> list[str]:
     compute = (top.time["compute"] + top.time["recompute"]) / top.step_s
     dispatch = top.time["op dispatch"] / top.step_s
     host = f", host op dispatch {dispatch:.0%}" if dispatch >= 0.005 else ""
-    out.append(f"Compute is {compute:.0%} of the step, exposed communication {top.comm_share:.0%}, "
-               f"pipeline bubble {top.bubble_share:.0%}{host}.")
+    out.append(
+        f"Compute is {compute:.0%} of the step, exposed communication {top.comm_share:.0%}, "
+        f"pipeline bubble {top.bubble_share:.0%}{host}."
+    )
     if lay.dp_shard > 1 and lay.accumulation > 1:
-        out.append(f"FSDP2 keeps unsharded fp32 gradients while accumulating {lay.accumulation} micro-batches "
-                   f"({_gb(top.memory['gradients'])}); reducing every micro-batch would free most of it.")
+        out.append(
+            f"FSDP2 keeps unsharded fp32 gradients while accumulating {lay.accumulation} micro-batches "
+            f"({_gb(top.memory['gradients'])}); reducing every micro-batch would free most of it."
+        )
     if lay.tp > 1:
         out.append(_link_phrase(result, lay.tp) + ".")
     if lay.ac != "none":
         g = result.grid
-        same = ((g.dp_replicate == lay.dp_replicate) & (g.dp_shard == lay.dp_shard) & (g.tp == lay.tp)
-                & (g.pp == lay.pp) & (g.cp == lay.cp) & (g.micro_batch == lay.micro_batch)
-                & (g.precision == PRECISION_NAMES.index(lay.precision)) & (g.ac == 0))
+        same = (
+            (g.dp_replicate == lay.dp_replicate)
+            & (g.dp_shard == lay.dp_shard)
+            & (g.tp == lay.tp)
+            & (g.pp == lay.pp)
+            & (g.cp == lay.cp)
+            & (g.micro_batch == lay.micro_batch)
+            & (g.precision == PRECISION_NAMES.index(lay.precision))
+            & (g.ac == 0)
+        )
         idx = np.flatnonzero(same)
         if len(idx):
             need = float(result.mem_total[idx].min())
             if need > c.memory_bytes:
-                out.append(f"Activation checkpointing ({lay.ac}) is needed: without it this layout needs "
-                           f"{_gb(need)} > {_gb(c.memory_bytes)}.")
+                out.append(
+                    f"Activation checkpointing ({lay.ac}) is needed: without it this layout needs "
+                    f"{_gb(need)} > {_gb(c.memory_bytes)}."
+                )
             else:
-                out.append(f"Activation checkpointing ({lay.ac}) costs {top.time['recompute']:.3g} s of recompute "
-                           f"but lets a larger micro-batch or less sharding win overall.")
+                out.append(
+                    f"Activation checkpointing ({lay.ac}) costs {top.time['recompute']:.3g} s of recompute "
+                    f"but lets a larger micro-batch or less sharding win overall."
+                )
     return out
 
 
@@ -92,8 +109,10 @@ def explain_alternatives(result: PlanResult, limit: int = 6) -> list[str]:
         fits = idx[result.mem_total[idx] <= result.cluster.memory_bytes]
         if not len(fits):
             best = result.row_at(int(idx[np.argmin(result.mem_total[idx])]))
-            out.append(f"{label} ({best.layout.describe()}) does not fit: needs {_gb(best.memory_total)} > "
-                       f"{_gb(result.cluster.memory_bytes)} ({_largest_lines(best, 2)}).")
+            out.append(
+                f"{label} ({best.layout.describe()}) does not fit: needs {_gb(best.memory_total)} > "
+                f"{_gb(result.cluster.memory_bytes)} ({_largest_lines(best, 2)})."
+            )
         else:
             best = result.row_at(int(fits[np.argmin(result.step[fits])]))
             slower = best.step_s / top.step_s - 1
@@ -109,4 +128,3 @@ def explain_alternatives(result: PlanResult, limit: int = 6) -> list[str]:
 def _top_index(result: PlanResult) -> int:
     fits = np.flatnonzero(result.mem_total <= result.cluster.memory_bytes)
     return int(fits[np.argmin(result.step[fits])])
-

@@ -94,8 +94,12 @@ class Layout:
         behind it yet: the config refuses it, and `--plan auto` never searches cp > 1. Stages per rank are the
         schedule's default (parallel.pp_stages_per_rank), as the planner assumes.
         """
-        parallel: dict[str, object] = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard,
-                                       "tp": self.tp, "pp": self.pp}
+        parallel: dict[str, object] = {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+            "pp": self.pp,
+        }
         if self.cp > 1:
             parallel["cp"] = self.cp
         if self.pp > 1:
@@ -104,10 +108,14 @@ class Layout:
             parallel["activation_checkpoint"] = self.ac
         if self.tp > 1:
             parallel["sequence_parallel"] = True
-        return {"parallel": parallel,
-                "train": {"global_batch_size": self.micro_batch * self.accumulation * self.dp,
-                          "micro_batch_size": self.micro_batch},
-                "precision": {"dtype": self.precision}}
+        return {
+            "parallel": parallel,
+            "train": {
+                "global_batch_size": self.micro_batch * self.accumulation * self.dp,
+                "micro_batch_size": self.micro_batch,
+            },
+            "precision": {"dtype": self.precision},
+        }
 
     def apply(self, cfg: JobConfig) -> JobConfig:
         """`cfg` running this layout: its settings() replace cfg's, everything else stays. ConfigError (one line
@@ -120,11 +128,15 @@ class Layout:
     def as_overrides(self) -> str:
         """The same settings as `key=value` overrides, for people to read or paste
         (`scaletrain train CONFIG.toml <these>`); scaletrain itself applies a Layout with apply()."""
+
         def toml(value: object) -> str:
             return str(value).lower() if isinstance(value, bool) else str(value)
 
-        return " ".join(f"{section}.{key}={toml(value)}"
-                        for section, values in self.settings().items() for key, value in values.items())
+        return " ".join(
+            f"{section}.{key}={toml(value)}"
+            for section, values in self.settings().items()
+            for key, value in values.items()
+        )
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -164,9 +176,19 @@ class LayoutGrid:
         from scaletrain.plan.pipeline import CODE_NAMES
 
         g = {f.name: int(getattr(self, f.name)[i]) for f in fields(self)}
-        return Layout(g["dp_replicate"], g["dp_shard"], g["tp"], g["pp"], g["cp"], g["micro_batch"],
-                      g["accumulation"], AC_MODES[g["ac"]], PRECISION_NAMES[g["precision"]],
-                      CODE_NAMES[g["schedule"]], g["virtual_stages"])
+        return Layout(
+            g["dp_replicate"],
+            g["dp_shard"],
+            g["tp"],
+            g["pp"],
+            g["cp"],
+            g["micro_batch"],
+            g["accumulation"],
+            AC_MODES[g["ac"]],
+            PRECISION_NAMES[g["precision"]],
+            CODE_NAMES[g["schedule"]],
+            g["virtual_stages"],
+        )
 
     @classmethod
     def of(cls, layouts: list[Layout]) -> LayoutGrid:

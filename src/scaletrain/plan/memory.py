@@ -26,8 +26,18 @@ NCCL_BYTES_PER_GROUP = 0.25e9  # unconfirmed: NCCL_BUFFSIZE 4 MiB x up to 32 cha
 FRAGMENTATION_SHARE = 0.05  # unconfirmed: caching-allocator slack on the short-lived allocations
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (ParallelConfig.ddp_bucket_cap_mb)
 
-MEMORY_LINES = ("parameters", "gradients", "optimizer states", "gathered/cast weights", "activations",
-                "recompute working set", "output layer + loss", "comm buffers", "CUDA context", "fragmentation")
+MEMORY_LINES = (
+    "parameters",
+    "gradients",
+    "optimizer states",
+    "gathered/cast weights",
+    "activations",
+    "recompute working set",
+    "output layer + loss",
+    "comm buffers",
+    "CUDA context",
+    "fragmentation",
+)
 
 
 # ------------------------------------------------------------------------------------------ reference formulas
@@ -46,8 +56,9 @@ def zero_model_state_bytes(n_params: float, n_d: int, stage: int, k: float = 12.
     raise ValueError(f"ZeRO stage must be 0-3 (got {stage})")
 
 
-def korthikanti_layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                                       recompute: str = "none") -> float:
+def korthikanti_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes of one GPT-2-style transformer layer with 16-bit activations (Korthikanti et al. 2022,
     Table 2): s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree."""
     sbh = s * b * h
@@ -67,11 +78,22 @@ def gpt_layer_saved_tensor_bytes(s: int, b: int, h: int, a: int) -> dict[str, fl
     """The GPT-2 layer's saved tensors one by one (16-bit activations, 1-byte dropout masks), as Korthikanti et al.
     count them; they sum to s·b·h·(34 + 5·a·s/h)."""
     sbh, as2b = s * b * h, a * s * s * b
-    return {"layernorm 1 input": 2 * sbh, "QKV input": 2 * sbh, "Q and K (for QK^T)": 4 * sbh,
-            "softmax output": 2 * as2b, "attention dropout mask": as2b, "attention dropout output": 2 * as2b,
-            "V": 2 * sbh, "output projection input": 2 * sbh, "attention residual dropout mask": sbh,
-            "layernorm 2 input": 2 * sbh, "MLP input": 2 * sbh, "GeLU input": 8 * sbh, "GeLU output": 8 * sbh,
-            "MLP dropout mask": sbh}
+    return {
+        "layernorm 1 input": 2 * sbh,
+        "QKV input": 2 * sbh,
+        "Q and K (for QK^T)": 4 * sbh,
+        "softmax output": 2 * as2b,
+        "attention dropout mask": as2b,
+        "attention dropout output": 2 * as2b,
+        "V": 2 * sbh,
+        "output projection input": 2 * sbh,
+        "attention residual dropout mask": sbh,
+        "layernorm 2 input": 2 * sbh,
+        "MLP input": 2 * sbh,
+        "GeLU input": 8 * sbh,
+        "GeLU output": 8 * sbh,
+        "MLP dropout mask": sbh,
+    }
 
 
 # ---------------------------------------------------------------------------- the Llama block scaletrain builds
@@ -81,8 +103,7 @@ def rmsnorm_saved_bytes_per_token(h: int, elem_bytes, fused: bool = True):
     return (elem_bytes * h + 4.0) if fused else (8.0 * h + 4.0)
 
 
-def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: str = "none",
-                                           fused_norm: bool = True):
+def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: str = "none", fused_norm: bool = True):
     """Bytes one Llama block (RMSNorm, GQA attention through SDPA/flash, SwiGLU) keeps for backward per token.
 
     Counted from the tensors autograd saves (tests measure them on CPU):
@@ -127,9 +148,16 @@ def output_layer_transient_bytes_per_token(args: DecoderShape, elem_bytes, tp=1)
     return e * v + np.where(e < 4, 4.0 * v, 0.0)
 
 
-def trainer_model_state_bytes(args: DecoderShape, tp: int = 1, pp: int = 1, dp_shard: int = 1,
-                              seq_len: int | None = None, stages_per_rank: int = 1, v_shaped: bool = False,
-                              pp_rank: int | None = None) -> dict[str, float]:
+def trainer_model_state_bytes(
+    args: DecoderShape,
+    tp: int = 1,
+    pp: int = 1,
+    dp_shard: int = 1,
+    seq_len: int | None = None,
+    stages_per_rank: int = 1,
+    v_shaped: bool = False,
+    pp_rank: int | None = None,
+) -> dict[str, float]:
     """Bytes of parameters, gradients and AdamW states as scaletrain's trainer keeps them, on pipeline rank
     `pp_rank` (None: the rank that holds the most), stages split as the trainer splits them for seq_len-token
     samples: all fp32 (the compute dtype only changes gathered copies), FSDP2 sharding dim 0 of every tensor;
@@ -140,8 +168,12 @@ def trainer_model_state_bytes(args: DecoderShape, tp: int = 1, pp: int = 1, dp_s
 
 
 # ---------------------------------------------------------------------------------------- per-layout breakdown
-def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dict | None = None,
-                     ) -> dict[str, np.ndarray]:
+def memory_breakdown(
+    work: Workload,
+    grid: LayoutGrid,
+    cluster: Cluster,
+    cols: dict | None = None,
+) -> dict[str, np.ndarray]:
     """Bytes per rank on the busiest rank for every layout of the grid, one array per line of MEMORY_LINES."""
     args = work.args
     cols = cols if cols is not None else layout_columns(work, grid)
@@ -169,26 +201,32 @@ def memory_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: d
             per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
             act[sel] = per * tok[sel]  # one block's, per micro-batch
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
-    out = (output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
-           + output_layer_transient_bytes_per_token(args, e, grid.tp)) * tok
+    out = (
+        output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
+        + output_layer_transient_bytes_per_token(args, e, grid.tp)
+    ) * tok
     v_shape = v_shaped(grid.schedule)  # V schedules put the first and the last chunk on the same rank
     # a schedule that holds every micro-batch's activations (GPipe) holds them on the last rank too
     last_in_flight = np.where(schedule_column("in_flight", "")[grid.schedule] == "all", m, 1.0)
     # pipeline rank 0 keeps the most micro-batches in flight, the last rank adds the output layer: the larger
     first = act * cols["layers_first"] * in_flight
     last = act * cols["layers_head"] * last_in_flight + out
-    lines["activations"] = np.where((grid.pp == 1) | v_shape, first,
-                                    np.where(first >= last, first, act * cols["layers_head"] * last_in_flight))
+    lines["activations"] = np.where(
+        (grid.pp == 1) | v_shape, first, np.where(first >= last, first, act * cols["layers_head"] * last_in_flight)
+    )
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shape | (last > first), out, 0.0)
     one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)
 
-    groups = ((grid.dp_replicate > 1).astype(float) + fsdp + (grid.tp > 1) + (grid.pp > 1) + (grid.cp > 1))
-    lines["comm buffers"] = np.where(ddp, 4.0 * cols["n_tp"], 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu
-                                                                        else 0.0)
+    groups = (grid.dp_replicate > 1).astype(float) + fsdp + (grid.tp > 1) + (grid.pp > 1) + (grid.cp > 1)
+    lines["comm buffers"] = np.where(ddp, 4.0 * cols["n_tp"], 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0)
     lines["CUDA context"] = np.full(len(grid), CUDA_CONTEXT_BYTES if on_gpu else 0.0)
-    dynamic = (lines["activations"] + lines["output layer + loss"] + lines["recompute working set"]
-               + lines["gathered/cast weights"])
+    dynamic = (
+        lines["activations"]
+        + lines["output layer + loss"]
+        + lines["recompute working set"]
+        + lines["gathered/cast weights"]
+    )
     lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
     return lines
 

@@ -32,14 +32,25 @@ class PlanReport:
         return {
             "model": {"name": work.model_name, **dataclasses.asdict(work.args), "params": work.args.num_params()},
             "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch},
-            "cluster": {"gpu": cluster.gpu.name, "gpus": cluster.gpus, "gpus_per_node": cluster.gpus_per_node,
-                        "nodes": cluster.nodes, "intra_link": cluster.intra_link.name,
-                        "inter_link": cluster.inter_link.name, "memory_bytes": cluster.memory_bytes,
-                        "calibration": cluster.calibration_note or None},
-            "searched": result.searched, "fitting": result.fitting, "search_seconds": result.seconds,
+            "cluster": {
+                "gpu": cluster.gpu.name,
+                "gpus": cluster.gpus,
+                "gpus_per_node": cluster.gpus_per_node,
+                "nodes": cluster.nodes,
+                "intra_link": cluster.intra_link.name,
+                "inter_link": cluster.inter_link.name,
+                "memory_bytes": cluster.memory_bytes,
+                "calibration": cluster.calibration_note or None,
+            },
+            "searched": result.searched,
+            "fitting": result.fitting,
+            "search_seconds": result.seconds,
             "layouts": [r.to_dict() for r in result.rows],
-            "why": self.why, "alternatives": self.alternatives, "advice": self.advice,
-            "budget": self.budget.to_dict() if self.budget else None}
+            "why": self.why,
+            "alternatives": self.alternatives,
+            "advice": self.advice,
+            "budget": self.budget.to_dict() if self.budget else None,
+        }
 
 
 def plan_report(work: Workload, cluster: Cluster, opts: SearchOptions, tokens: float | None = None) -> PlanReport:
@@ -48,8 +59,13 @@ def plan_report(work: Workload, cluster: Cluster, opts: SearchOptions, tokens: f
     result = search_layouts(work, cluster, opts)
     if not result.rows:
         raise DoesNotFit(no_fit_message(work, cluster, result, opts))
-    return PlanReport(result, explain_top(result), explain_alternatives(result),
-                      setup_advice(work, cluster, result, opts), budget_for(result, tokens) if tokens else None)
+    return PlanReport(
+        result,
+        explain_top(result),
+        explain_alternatives(result),
+        setup_advice(work, cluster, result, opts),
+        budget_for(result, tokens) if tokens else None,
+    )
 
 
 def compare_dict(work: Workload, tokens: float, budgets: list[Budget]) -> dict:

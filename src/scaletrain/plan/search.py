@@ -50,10 +50,17 @@ class PlanRow:
     fits: bool
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout.to_dict(), "describe": self.layout.describe(),
-                "memory_bytes": {**self.memory, "total": self.memory_total},
-                "time_s": {**self.time, "step": self.step_s}, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "bubble_share": self.bubble_share, "comm_share": self.comm_share, "fits": self.fits}
+        return {
+            "layout": self.layout.to_dict(),
+            "describe": self.layout.describe(),
+            "memory_bytes": {**self.memory, "total": self.memory_total},
+            "time_s": {**self.time, "step": self.step_s},
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "bubble_share": self.bubble_share,
+            "comm_share": self.comm_share,
+            "fits": self.fits,
+        }
 
 
 @dataclass
@@ -88,8 +95,18 @@ class PlanResult:
         mfu = self.work.model_flops_per_token * tokens / (step * self.cluster.gpus * peak)
         comm = tim["tp comm"] + tim["cp comm"] + tim["pp p2p"] + tim["dp comm exposed"]
         total = float(self.mem_total[i])
-        return PlanRow(lay, mem, tim, total, step, tokens / step, mfu, tim["bubble"] / step, comm / step,
-                       total <= self.cluster.memory_bytes)
+        return PlanRow(
+            lay,
+            mem,
+            tim,
+            total,
+            step,
+            tokens / step,
+            mfu,
+            tim["bubble"] / step,
+            comm / step,
+            total <= self.cluster.memory_bytes,
+        )
 
 
 def divisors(n: int) -> list[int]:
@@ -100,9 +117,13 @@ def divisors(n: int) -> list[int]:
 
 def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
     a = work.args
-    return [t for t in divisors(world)
-            if a.n_heads % t == 0 and (a.n_kv_heads % t == 0 or t % a.n_kv_heads == 0)
-            and (opts.max_tp is None or t <= opts.max_tp)]
+    return [
+        t
+        for t in divisors(world)
+        if a.n_heads % t == 0
+        and (a.n_kv_heads % t == 0 or t % a.n_kv_heads == 0)
+        and (opts.max_tp is None or t <= opts.max_tp)
+    ]
 
 
 def _cp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
@@ -171,7 +192,7 @@ def search_layouts(work: Workload, cluster: Cluster, opts: SearchOptions | None 
     fits = np.flatnonzero(mem_total <= cluster.memory_bytes)
     result.fitting = len(fits)
     order = fits[np.argsort(step[fits], kind="stable")]
-    result.rows = [result.row_at(int(i)) for i in order[:opts.top]]
+    result.rows = [result.row_at(int(i)) for i in order[: opts.top]]
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -18,9 +18,17 @@ _TP_DIM = {"q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1, "embed
 def layer_param_shapes(args: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of one transformer block's parameters, in the order the block registers them."""
     h, kv = args.dim, args.n_kv_heads * args.head_dim
-    return [("attention_norm", (h,)), ("q", (args.n_heads * args.head_dim, h)), ("k", (kv, h)),
-            ("v", (kv, h)), ("o", (h, args.n_heads * args.head_dim)), ("ffn_norm", (h,)),
-            ("gate", (args.ffn_dim, h)), ("down", (h, args.ffn_dim)), ("up", (args.ffn_dim, h))]
+    return [
+        ("attention_norm", (h,)),
+        ("q", (args.n_heads * args.head_dim, h)),
+        ("k", (kv, h)),
+        ("v", (kv, h)),
+        ("o", (h, args.n_heads * args.head_dim)),
+        ("ffn_norm", (h,)),
+        ("gate", (args.ffn_dim, h)),
+        ("down", (h, args.ffn_dim)),
+        ("up", (args.ffn_dim, h)),
+    ]
 
 
 def _shard_rows(n: int, parts: int) -> int:
@@ -40,24 +48,40 @@ def local_numel(name: str, shape: tuple[int, ...], tp: int, dp_shard: int) -> in
 
 
 @lru_cache(maxsize=8192)
-def rank_params(args: DecoderShape, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
-                stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[tuple[int, int], ...]:
+def rank_params(
+    args: DecoderShape,
+    tp: int,
+    pp: int,
+    dp_shard: int,
+    seq_len: int | None = None,
+    stages_per_rank: int = 1,
+    v_shaped: bool = False,
+) -> tuple[tuple[int, int], ...]:
     """(parameter elements, parameter tensors) of each pipeline rank's largest data-parallel rank, after the
     trainer's stage split (models/stages.py), TP (parallel/tensor_parallel.py) and FSDP2's dim-0 sharding."""
     layer = sum(local_numel(n, s, tp, dp_shard) for n, s in layer_param_shapes(args))
     n_layer_tensors = len(layer_param_shapes(args))
     emb = local_numel("embedding", (args.vocab_size, args.dim), tp, dp_shard)
-    head = local_numel("norm", (args.dim,), tp, dp_shard) + local_numel("output", (args.vocab_size, args.dim), tp,
-                                                                        dp_shard)
+    head = local_numel("norm", (args.dim,), tp, dp_shard) + local_numel(
+        "output", (args.vocab_size, args.dim), tp, dp_shard
+    )
     out = []
     for layers, has_emb, has_head in rank_layers(args, seq_len or args.max_seq_len, pp, stages_per_rank, v_shaped):
-        out.append((layers * layer + has_emb * emb + has_head * head,
-                    layers * n_layer_tensors + has_emb + 2 * has_head))
+        out.append(
+            (layers * layer + has_emb * emb + has_head * head, layers * n_layer_tensors + has_emb + 2 * has_head)
+        )
     return tuple(out)
 
 
-def params_per_rank(args: DecoderShape, tp: int, pp: int, dp_shard: int, seq_len: int | None = None,
-                    stages_per_rank: int = 1, v_shaped: bool = False) -> tuple[int, int]:
+def params_per_rank(
+    args: DecoderShape,
+    tp: int,
+    pp: int,
+    dp_shard: int,
+    seq_len: int | None = None,
+    stages_per_rank: int = 1,
+    v_shaped: bool = False,
+) -> tuple[int, int]:
     """(parameter elements, parameter tensors) on the rank that holds the most; exact for that rank."""
     return max(rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank, v_shaped))
 
@@ -91,16 +115,25 @@ def decoder_shape_for_params(n_params: float, vocab_size: int = 128256, seq_len:
     dim = (n_params * 128 / 12.5) ** (1 / 3)
     dim = max(1024, int(round(dim / 1024)) * 1024)
     ffn = int(round(3.5 * dim / 256)) * 256
-    probe = DecoderShape(dim=dim, n_layers=1, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn, vocab_size=vocab_size,
-                         max_seq_len=seq_len)
+    probe = DecoderShape(
+        dim=dim, n_layers=1, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn, vocab_size=vocab_size, max_seq_len=seq_len
+    )
     per_layer = layer_params(probe)
     layers = max(1, round((n_params - 2 * vocab_size * dim) / per_layer))
-    return DecoderShape(dim=dim, n_layers=layers, n_heads=dim // 128, n_kv_heads=8, ffn_dim=ffn,
-                        vocab_size=vocab_size, max_seq_len=seq_len)
+    return DecoderShape(
+        dim=dim,
+        n_layers=layers,
+        n_heads=dim // 128,
+        n_kv_heads=8,
+        ffn_dim=ffn,
+        vocab_size=vocab_size,
+        max_seq_len=seq_len,
+    )
 
 
-def param_columns(args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = None, stages_per_rank=1,
-                  v_shaped=False) -> dict:
+def param_columns(
+    args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = None, stages_per_rank=1, v_shaped=False
+) -> dict:
     """Per-layout counts for equal-length arrays (tp, pp, dp_shard, stages_per_rank, v_shaped), the stages split
     as the trainer splits them:
     n_local, n_tensors (parameter elements and tensors on the rank that holds the most), n_tp (that rank's elements
@@ -111,9 +144,16 @@ def param_columns(args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = No
     import numpy as np
 
     n = len(np.asarray(tp))
-    keys = np.stack([np.asarray(tp), np.asarray(pp), np.asarray(dp_shard),
-                     np.broadcast_to(np.asarray(stages_per_rank), n), np.broadcast_to(np.asarray(v_shaped), n)],
-                    axis=1).astype(np.int64)
+    keys = np.stack(
+        [
+            np.asarray(tp),
+            np.asarray(pp),
+            np.asarray(dp_shard),
+            np.broadcast_to(np.asarray(stages_per_rank), n),
+            np.broadcast_to(np.asarray(v_shaped), n),
+        ],
+        axis=1,
+    ).astype(np.int64)
     uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
     seq = seq_len or args.max_seq_len
     rows = []
@@ -124,29 +164,47 @@ def param_columns(args: DecoderShape, tp, pp, dp_shard, seq_len: int | None = No
         layers = rank_layers(args, seq, p, v, bool(shape))
         body = [lay for lay, _, head in layers if not head]
         head_layers = next(lay for lay, _, head in layers if head)
-        rows.append(per_rank[big] + (rank_params(args, t, p, 1, seq, v, bool(shape))[big][0], layers[big][0],
-                                     layers[0][0], head_layers, max(body, default=0)))
+        rows.append(
+            per_rank[big]
+            + (
+                rank_params(args, t, p, 1, seq, v, bool(shape))[big][0],
+                layers[big][0],
+                layers[0][0],
+                head_layers,
+                max(body, default=0),
+            )
+        )
     cols = np.array(rows, dtype=np.float64)[inverse.reshape(-1)]
     tp_f = np.asarray(tp, dtype=np.float64)
     layer_tp = _layer_tp_lookup(args, tp_f)
     root = (local_numel("embedding", (args.vocab_size, args.dim), 1, 1) * 2 + args.dim) / tp_f
-    return {"n_local": cols[:, 0], "n_tensors": cols[:, 1], "n_tp": cols[:, 2], "layers": cols[:, 3],
-            "layers_first": cols[:, 4], "layers_head": cols[:, 5], "layers_body": cols[:, 6],
-            "layer_tp": layer_tp, "root_tp": root}
+    return {
+        "n_local": cols[:, 0],
+        "n_tensors": cols[:, 1],
+        "n_tp": cols[:, 2],
+        "layers": cols[:, 3],
+        "layers_first": cols[:, 4],
+        "layers_head": cols[:, 5],
+        "layers_body": cols[:, 6],
+        "layer_tp": layer_tp,
+        "root_tp": root,
+    }
 
 
 def layout_columns(work, grid) -> dict:
     """param_columns for a plan.layout.Workload and LayoutGrid (V-shaped schedules place stages as a V)."""
     from scaletrain.plan.pipeline import v_shaped
 
-    return param_columns(work.args, grid.tp, grid.pp, grid.dp_shard, work.seq_len, grid.virtual_stages,
-                         v_shaped(grid.schedule))
+    return param_columns(
+        work.args, grid.tp, grid.pp, grid.dp_shard, work.seq_len, grid.virtual_stages, v_shaped(grid.schedule)
+    )
 
 
 def _layer_tp_lookup(args: DecoderShape, tp_f):
     import numpy as np
 
     uniq, inverse = np.unique(tp_f, return_inverse=True)
-    vals = np.array([sum(local_numel(n, s, int(t), 1) for n, s in layer_param_shapes(args)) for t in uniq],
-                    dtype=np.float64)
+    vals = np.array(
+        [sum(local_numel(n, s, int(t), 1) for n, s in layer_param_shapes(args)) for t in uniq], dtype=np.float64
+    )
     return vals[inverse.reshape(-1)]

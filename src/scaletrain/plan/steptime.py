@@ -42,8 +42,17 @@ ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, 
 OPS_PER_BLOCK = {"none": (96, 152), "selective": (102, 298), "full": (93, 305)}
 OPS_ROOT = (17, 34)
 
-TIME_LINES = ("compute", "recompute", "op dispatch", "tp comm", "cp comm", "pp p2p", "dp comm exposed", "bubble",
-              "optimizer")
+TIME_LINES = (
+    "compute",
+    "recompute",
+    "op dispatch",
+    "tp comm",
+    "cp comm",
+    "pp p2p",
+    "dp comm exposed",
+    "bubble",
+    "optimizer",
+)
 
 
 def peak_flops(cluster: Cluster, precision) -> np.ndarray:
@@ -61,8 +70,12 @@ def matmul_rate(cluster: Cluster, precision) -> np.ndarray:
     return peak_flops(cluster, precision) * cluster.gpu.matmul_efficiency
 
 
-def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dict | None = None,
-                   ) -> dict[str, np.ndarray]:
+def time_breakdown(
+    work: Workload,
+    grid: LayoutGrid,
+    cluster: Cluster,
+    cols: dict | None = None,
+) -> dict[str, np.ndarray]:
     """Seconds per optimizer step for every layout, one array per line of TIME_LINES (they add up to the step)."""
     args = work.args
     s = work.seq_len
@@ -78,8 +91,11 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     tok = grid.micro_batch * s / cp  # tokens of one micro-batch on one rank (TP ranks share them)
 
     pointwise_fwd = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp / bw
-    layer_fwd = (tok * matmul_flops_per_token_layer(args) / tp / r_mm
-                 + tok * attention_flops_per_token_layer(args, s) / tp / r_attn + pointwise_fwd)
+    layer_fwd = (
+        tok * matmul_flops_per_token_layer(args) / tp / r_mm
+        + tok * attention_flops_per_token_layer(args, s) / tp / r_attn
+        + pointwise_fwd
+    )
     loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
     # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
@@ -104,8 +120,7 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     # pipeline: activations forward and their gradients back, per micro-batch, sequence-sharded over TP
     dp_total = dps * dpr
     pp_inner = tp * cp * dp_total
-    pp_mb = np.where(pp > 1, 2.0 * p2p_factor(grid.schedule) * p2p_seconds(act_bytes / tp, pp_inner, pp, cluster),
-                     0.0)
+    pp_mb = np.where(pp > 1, 2.0 * p2p_factor(grid.schedule) * p2p_seconds(act_bytes / tp, pp_inner, pp, cluster), 0.0)
 
     # data parallel: only the device's comm_overlap share of the compute can hide collectives (none on CPUs,
     # where gloo's threads and the compute share the cores)
@@ -126,23 +141,36 @@ def time_breakdown(work: Workload, grid: LayoutGrid, cluster: Cluster, cols: dic
     # the first gather and the last reduction wait on / for compute; the rest hides behind it as far as it can
     first_gather = gather / np.maximum(layers, 1)
     last_reduce = (rs + hsdp_ar) / np.maximum(layers, 1)
-    fsdp_mb = np.where(fsdp, first_gather + np.maximum(0.0, gather - first_gather - fwd_compute)
-                       + np.maximum(0.0, gather_bwd - bwd_compute), 0.0)
-    fsdp_last = np.where(fsdp, np.maximum(0.0, gather_bwd + rs + hsdp_ar - last_reduce - bwd_compute)
-                         - np.maximum(0.0, gather_bwd - bwd_compute) + last_reduce, 0.0)
+    fsdp_mb = np.where(
+        fsdp,
+        first_gather + np.maximum(0.0, gather - first_gather - fwd_compute) + np.maximum(0.0, gather_bwd - bwd_compute),
+        0.0,
+    )
+    fsdp_last = np.where(
+        fsdp,
+        np.maximum(0.0, gather_bwd + rs + hsdp_ar - last_reduce - bwd_compute)
+        - np.maximum(0.0, gather_bwd - bwd_compute)
+        + last_reduce,
+        0.0,
+    )
     # DDP all-reduces one bucket of DDP_BUCKET_CAP_BYTES at a time, each paying the latency
     buckets = np.ceil(4.0 * cols["n_tp"] / DDP_BUCKET_CAP_BYTES)
-    ddp_ar = (collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster)
-              + (buckets - 1.0) * collective_seconds("all_reduce", 0.0, dpr, tp * cp, cluster))
+    ddp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster) + (
+        buckets - 1.0
+    ) * collective_seconds("all_reduce", 0.0, dpr, tp * cp, cluster)
     tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
-    ddp_last = np.where(~fsdp & (grid.dp_replicate > 1),
-                        np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0)
+    ddp_last = np.where(
+        ~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0
+    )
 
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
     # host falls behind the kernels (small models, small micro-batches)
-    ops = np.select([grid.ac == 2, grid.ac == 1], [sum(OPS_PER_BLOCK["full"]), sum(OPS_PER_BLOCK["selective"])],
-                    sum(OPS_PER_BLOCK["none"]))
+    ops = np.select(
+        [grid.ac == 2, grid.ac == 1],
+        [sum(OPS_PER_BLOCK["full"]), sum(OPS_PER_BLOCK["selective"])],
+        sum(OPS_PER_BLOCK["none"]),
+    )
     dispatch = (layers * ops + sum(OPS_ROOT)) * cluster.op_overhead_s
     dispatch_mb = dispatch if cluster.gpu.name == "cpu" else np.maximum(0.0, dispatch - mb)
     mb = mb + dispatch_mb

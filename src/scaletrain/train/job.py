@@ -18,8 +18,9 @@ from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pipeline import Pipeline
 
 
-def rebind_optimizer(optimizer: torch.optim.Optimizer, old_names: dict[int, str],
-                     model: nn.Module) -> torch.optim.Optimizer:
+def rebind_optimizer(
+    optimizer: torch.optim.Optimizer, old_names: dict[int, str], model: nn.Module
+) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class and hyper-parameters over the model's current parameters.
 
     FSDP2 replaces each parameter with a sharded one, so an optimizer built before sharding points at tensors the
@@ -84,11 +85,11 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, total_norm: torch.T
 class Job:
     """A model and optimizer prepared for a layout. Use in a loop as:
 
-        for micro, is_last in ...:
-            with job.accumulate(sync=is_last), job.autocast():
-                loss = ...
-            job.backward(loss)
-        grad_norm = job.step()
+    for micro, is_last in ...:
+        with job.accumulate(sync=is_last), job.autocast():
+            loss = ...
+        job.backward(loss)
+    grad_norm = job.step()
     """
 
     model: nn.Module

@@ -56,17 +56,29 @@ class RankAgreement:
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records after `step` (logged before a failure, about to be recomputed after the resume)."""
     if path.is_file():
-        keep = [line for line in path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = [
+            line
+            for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         path.write_text("".join(keep))
 
 
 def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
     cfg, rt = trainer.cfg, trainer.rt
     root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
-    return CheckpointManager(cfg.checkpoint, root, rt.rank, rt.world_size,
-                             {"layout": trainer.dims.describe(), "world_size": rt.world_size,
-                              "model": cfg.model.name, "model_spec": trainer.spec.manifest()})
+    return CheckpointManager(
+        cfg.checkpoint,
+        root,
+        rt.rank,
+        rt.world_size,
+        {
+            "layout": trainer.dims.describe(),
+            "world_size": rt.world_size,
+            "model": cfg.model.name,
+            "model_spec": trainer.spec.manifest(),
+        },
+    )
 
 
 def resume(trainer: Trainer, ckpt: CheckpointManager) -> int:
@@ -79,8 +91,13 @@ def resume(trainer: Trainer, ckpt: CheckpointManager) -> int:
     if restored is None:
         return 0
     trainer.load_state_dict(restored.trainer_state)
-    log.info("resumed from %s at step %d (saved by %s on %s rank(s))", restored.path, restored.step,
-             restored.saved_layout, restored.saved_world_size)
+    log.info(
+        "resumed from %s at step %d (saved by %s on %s rank(s))",
+        restored.path,
+        restored.step,
+        restored.saved_layout,
+        restored.saved_world_size,
+    )
     return restored.step
 
 
@@ -98,13 +115,23 @@ class _Outputs:
                 _truncate_metrics(out / "metrics.jsonl", start_step)
             self.sink = open_sinks(cfg.monitor, out, start_step)
         pipeline = trainer.model.pipeline
-        self.progress = StepProgress(cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress,
-                                     console=console)
-        self.monitor = TrainMonitor(cfg.monitor, out, rt.rank, rt.world_size, rt.device, trainer.model.module,
-                                    trainer.spec.flops_per_token(cfg.data.seq_len), cfg.precision.dtype,
-                                    start_step, trainer.dims.describe(),
-                                    pipeline_stages=trainer.model.stages or None,
-                                    pp_bubble=pipeline.bubble if pipeline is not None else None)
+        self.progress = StepProgress(
+            cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console
+        )
+        self.monitor = TrainMonitor(
+            cfg.monitor,
+            out,
+            rt.rank,
+            rt.world_size,
+            rt.device,
+            trainer.model.module,
+            trainer.spec.flops_per_token(cfg.data.seq_len),
+            cfg.precision.dtype,
+            start_step,
+            trainer.dims.describe(),
+            pipeline_stages=trainer.model.stages or None,
+            pp_bubble=pipeline.bubble if pipeline is not None else None,
+        )
 
     def write(self, record: dict) -> None:
         if self.sink is not None:
@@ -117,8 +144,13 @@ class _Outputs:
             self.sink.close()
             if summary is not None:
                 self.out.joinpath("summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-                log.info("done: loss %.4f, validation loss %.4f, %.1f s, outputs in %s", summary["final_loss"],
-                         summary["val_loss"], summary["elapsed_s"], self.out)
+                log.info(
+                    "done: loss %.4f, validation loss %.4f, %.1f s, outputs in %s",
+                    summary["final_loss"],
+                    summary["val_loss"],
+                    summary["elapsed_s"],
+                    self.out,
+                )
         self.monitor.close(with_diagnosis)  # stops sampling; rank 0 writes the diagnosis
 
 
@@ -134,8 +166,14 @@ class _LogWindow:
         step_time = (now - self.t0) / self.steps
         tps = trainer.tokens_per_step / step_time
         self.t0, self.steps = now, 0
-        record = {"step": step, "loss": loss, "grad_norm": float(result.grad_norm), "lr": result.lr,
-                  "step_time_s": step_time, "tokens_per_s": tps}
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": float(result.grad_norm),
+            "lr": result.lr,
+            "step_time_s": step_time,
+            "tokens_per_s": tps,
+        }
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
         record = outputs.monitor.on_log(record)  # MFU, rank-aggregated breakdown (all ranks take part)
@@ -159,16 +197,26 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
     ckpt = open_checkpoints(trainer, out)
     start_step = resume(trainer, ckpt)
     outputs = _Outputs(trainer, out, start_step, console)
-    log.info("scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d",
-             cfg.model.name, rt.world_size, rt.device.type, trainer.dims.describe(), trainer.spec.num_params() / 1e6,
-             cfg.train.steps, cfg.train.global_batch_size, cfg.data.seq_len, trainer.resolved.accumulation)
+    log.info(
+        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d",
+        cfg.model.name,
+        rt.world_size,
+        rt.device.type,
+        trainer.dims.describe(),
+        trainer.spec.num_params() / 1e6,
+        cfg.train.steps,
+        cfg.train.global_batch_size,
+        cfg.data.seq_len,
+        trainer.resolved.accumulation,
+    )
     if trainer.model.pipeline is not None:
         log.info("%s", trainer.model.pipeline.describe())
     last_loss, val_loss = float("nan"), None
     t_start = time.perf_counter()
     window = _LogWindow()
-    watchdog = Watchdog(out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s,
-                        cfg.launch.collective_timeout_s)
+    watchdog = Watchdog(
+        out / "heartbeat", rt.rank, rt.world_size, cfg.launch.hang_timeout_s, cfg.launch.collective_timeout_s
+    )
     watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
@@ -194,19 +242,23 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
                 if stop:
                     agreement.close()
                     ckpt.save(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict(), sync=True)
-                    log.warning("preempted (%s): checkpoint of step %d saved; exiting %d so the job is requeued",
-                                preemption.signal_name or "signal on another rank", step, EXIT_REQUEUE)
+                    log.warning(
+                        "preempted (%s): checkpoint of step %d saved; exiting %d so the job is requeued",
+                        preemption.signal_name or "signal on another rank",
+                        step,
+                        EXIT_REQUEUE,
+                    )
                     raise SystemExit(EXIT_REQUEUE)
                 watchdog.beat(step, "checkpoint")
-                if not last and ((cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0)
-                                 or minutes_due):
+                if not last and (
+                    (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0) or minutes_due
+                ):
                     ckpt.save(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
                 ckpt.poll(step)
                 mon.step_end(step)
             agreement.close()
             if cfg.checkpoint.save_final:
-                ckpt.save(cfg.train.steps, trainer.model.module, trainer.job.optimizer, trainer.state_dict(),
-                          sync=True)
+                ckpt.save(cfg.train.steps, trainer.model.module, trainer.job.optimizer, trainer.state_dict(), sync=True)
             ckpt.close()
     except SystemExit:  # preempted: the checkpoint is saved, the outputs are whole
         outputs.close()
@@ -215,8 +267,16 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
         outputs.close(with_diagnosis=False)
         raise
     elapsed = time.perf_counter() - t_start
-    summary = {"steps": cfg.train.steps, "final_loss": last_loss, "val_loss": val_loss, "elapsed_s": elapsed,
-               "tokens_per_s": cfg.train.steps * trainer.tokens_per_step / elapsed, "world_size": rt.world_size,
-               "layout": trainer.dims.describe(), "device": rt.device.type, "params": trainer.spec.num_params()}
+    summary = {
+        "steps": cfg.train.steps,
+        "final_loss": last_loss,
+        "val_loss": val_loss,
+        "elapsed_s": elapsed,
+        "tokens_per_s": cfg.train.steps * trainer.tokens_per_step / elapsed,
+        "world_size": rt.world_size,
+        "layout": trainer.dims.describe(),
+        "device": rt.device.type,
+        "params": trainer.spec.num_params(),
+    }
     outputs.close(summary)
     return summary

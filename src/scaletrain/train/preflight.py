@@ -35,7 +35,7 @@ def token_id_range(path: str | Path, dtype: str) -> tuple[int, int, int, int]:
     data = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     lo = hi = (int(data[0]), 0)
     for start in range(0, len(data), TOKEN_SCAN_CHUNK):
-        part = data[start:start + TOKEN_SCAN_CHUNK]
+        part = data[start : start + TOKEN_SCAN_CHUNK]
         i, j = int(part.argmin()), int(part.argmax())
         if part[i] < lo[0]:
             lo = (int(part[i]), start + i)
@@ -56,17 +56,23 @@ def _stream_tokens(cfg: JobConfig, vocab_size: int) -> int:
         size = p.stat().st_size
         dtype = np.dtype(d.token_dtype)
         if size % dtype.itemsize:
-            raise ValueError(f"data.path: {d.path!r} has {size} bytes, not a whole number of "
-                             f"{d.token_dtype} tokens; check data.token_dtype")
+            raise ValueError(
+                f"data.path: {d.path!r} has {size} bytes, not a whole number of "
+                f"{d.token_dtype} tokens; check data.token_dtype"
+            )
         # unsigned ids below the vocabulary by construction need no scan (uint16 with a vocabulary >= 65,536)
         if size and (dtype.kind != "u" or np.iinfo(dtype).max >= vocab_size):
             lo, lo_at, hi, hi_at = token_id_range(p, d.token_dtype)
             if lo < 0:
-                raise ValueError(f"data.path: token id {lo} at position {lo_at} of {d.path!r} is negative; "
-                                 f"check data.token_dtype (the file may hold unsigned ids)")
+                raise ValueError(
+                    f"data.path: token id {lo} at position {lo_at} of {d.path!r} is negative; "
+                    f"check data.token_dtype (the file may hold unsigned ids)"
+                )
             if hi >= vocab_size:
-                raise ValueError(f"data.path: token id {hi} at position {hi_at} of {d.path!r} is >= the model's "
-                                 f"vocab_size {vocab_size}; check data.token_dtype or set model.vocab_size={hi + 1}")
+                raise ValueError(
+                    f"data.path: token id {hi} at position {hi_at} of {d.path!r} is >= the model's "
+                    f"vocab_size {vocab_size}; check data.token_dtype or set model.vocab_size={hi + 1}"
+                )
         return size // dtype.itemsize
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if not stdlib.is_dir():
@@ -78,30 +84,39 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     """Check the config against a world size; raise ValueError whose message names the field and the fix."""
     spec = model_spec(cfg.model)
     if cfg.data.source == "stdlib" and spec.vocab_size < 256:
-        raise ValueError(f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has "
-                         f"{spec.vocab_size}")
+        raise ValueError(
+            f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {spec.vocab_size}"
+        )
     if cfg.data.seq_len > spec.max_seq_len:
-        raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
-                         f"lower data.seq_len or raise model.max_seq_len")
+        raise ValueError(
+            f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
+            f"lower data.seq_len or raise model.max_seq_len"
+        )
     if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
-        raise ValueError(f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
-                         f"Hugging Face model folder with *.safetensors and config.json")
+        raise ValueError(
+            f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
+            f"Hugging Face model folder with *.safetensors and config.json"
+        )
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     gb = cfg.train.global_batch_size
     if gb % dims.dp:
         raise ValueError(f"train.global_batch_size: {gb} is not divisible by the data-parallel degree {dims.dp}")
     micro = cfg.train.micro_batch_size or gb // dims.dp
     if gb % (micro * dims.dp):
-        raise ValueError(f"train.micro_batch_size: {gb} sequences per step do not split into micro-batches of "
-                         f"{micro} on {dims.dp} data-parallel ranks; pick a divisor of {gb // dims.dp}")
+        raise ValueError(
+            f"train.micro_batch_size: {gb} sequences per step do not split into micro-batches of "
+            f"{micro} on {dims.dp} data-parallel ranks; pick a divisor of {gb // dims.dp}"
+        )
     check_layout(cfg, spec, dims)
     if dims.pp > 1:
         micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
     n_tokens = _stream_tokens(cfg, spec.vocab_size)
     n_val = max(1, int(n_tokens * cfg.data.val_fraction))
     if (n_tokens - n_val - 1) // cfg.data.seq_len < gb or (n_val - 1) // cfg.data.seq_len < 1:
-        raise ValueError(f"data: {n_tokens} tokens are too few for a global batch of {gb} x {cfg.data.seq_len} "
-                         f"tokens plus a validation split; add data or lower train.global_batch_size")
+        raise ValueError(
+            f"data: {n_tokens} tokens are too few for a global batch of {gb} x {cfg.data.seq_len} "
+            f"tokens plus a validation split; add data or lower train.global_batch_size"
+        )
     return ResolvedJob(spec=spec, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
 
 
@@ -111,24 +126,32 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     p = cfg.parallel
     if dims.tp > 1:
         if dims.mode == "ddp":
-            raise ValueError(f"parallel.tp: DDP (dp_replicate={dims.dp_replicate}, dp_shard=1) does not combine "
-                             f"with tensor parallelism; shard instead (parallel.dp_shard={dims.dp_replicate} "
-                             f"parallel.dp_replicate=1) or use HSDP")
+            raise ValueError(
+                f"parallel.tp: DDP (dp_replicate={dims.dp_replicate}, dp_shard=1) does not combine "
+                f"with tensor parallelism; shard instead (parallel.dp_shard={dims.dp_replicate} "
+                f"parallel.dp_replicate=1) or use HSDP"
+            )
         spec.check_tp(dims.tp)
         if p.sequence_parallel and cfg.data.seq_len % dims.tp:
-            raise ValueError(f"parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not divisible by "
-                             f"parallel.tp={dims.tp}")
+            raise ValueError(
+                f"parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={dims.tp}"
+            )
         if p.sequence_parallel and p.tp_plan == "auto":
-            raise ValueError("parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards "
-                             "only the linears)")
+            raise ValueError(
+                "parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards only the linears)"
+            )
     if dims.pp > 1:
         stages = dims.pp * p.stages_per_rank
         if stages > spec.n_blocks:
-            raise ValueError(f"parallel.pp: {dims.pp} x {p.stages_per_rank} stage(s) per rank = {stages} pipeline "
-                             f"stages, but the model has only {spec.n_blocks} layers; lower parallel.pp")
+            raise ValueError(
+                f"parallel.pp: {dims.pp} x {p.stages_per_rank} stage(s) per rank = {stages} pipeline "
+                f"stages, but the model has only {spec.n_blocks} layers; lower parallel.pp"
+            )
         if precision(cfg.precision.dtype).loss_scaling:
-            raise ValueError(f"precision.dtype: {cfg.precision.dtype} loss scaling does not run inside a pipeline "
-                             f"schedule; use bf16 with parallel.pp > 1")
+            raise ValueError(
+                f"precision.dtype: {cfg.precision.dtype} loss scaling does not run inside a pipeline "
+                f"schedule; use bf16 with parallel.pp > 1"
+            )
         pipeline_microbatches(cfg, dims)
 
 
@@ -141,24 +164,31 @@ def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
     if p.pp_microbatches is not None:
         m = p.pp_microbatches
         if cfg.train.micro_batch_size and cfg.train.micro_batch_size * m != per_rank:
-            raise ValueError(f"parallel.pp_microbatches: {m} micro-batches of train.micro_batch_size="
-                             f"{cfg.train.micro_batch_size} are not the {per_rank} sequences per data-parallel "
-                             f"rank; set only one of them")
+            raise ValueError(
+                f"parallel.pp_microbatches: {m} micro-batches of train.micro_batch_size="
+                f"{cfg.train.micro_batch_size} are not the {per_rank} sequences per data-parallel "
+                f"rank; set only one of them"
+            )
     elif cfg.train.micro_batch_size:
         m = per_rank // cfg.train.micro_batch_size
     else:
         m = stages
     if per_rank % m:
-        raise ValueError(f"parallel.pp_microbatches: {per_rank} sequences per data-parallel rank do not split into "
-                         f"{m} micro-batches; set parallel.pp_microbatches to a divisor of {per_rank}")
+        raise ValueError(
+            f"parallel.pp_microbatches: {per_rank} sequences per data-parallel rank do not split into "
+            f"{m} micro-batches; set parallel.pp_microbatches to a divisor of {per_rank}"
+        )
     schedule = pipeline_schedule(p.pp_schedule)
     if schedule.microbatch_per_stage and m < stages:
-        raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs at least one micro-batch per stage "
-                         f"({stages}), got {m}")
+        raise ValueError(
+            f"parallel.pp_microbatches: {p.pp_schedule} needs at least one micro-batch per stage ({stages}), got {m}"
+        )
     rounds = max(1, m // dims.pp)
     if schedule.microbatch_rounds and m % rounds:
-        raise ValueError(f"parallel.pp_microbatches: {p.pp_schedule} needs a multiple of {rounds} micro-batches "
-                         f"(rounds of pp={dims.pp}), got {m}")
+        raise ValueError(
+            f"parallel.pp_microbatches: {p.pp_schedule} needs a multiple of {rounds} micro-batches "
+            f"(rounds of pp={dims.pp}), got {m}"
+        )
     return m
 
 

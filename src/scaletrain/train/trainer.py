@@ -19,8 +19,16 @@ from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_
 from scaletrain.models.spec import ModelSpec
 from scaletrain.monitor import log
 from scaletrain.monitor.timing import NULL_TIMER
-from scaletrain.parallel import (ParallelDims, ParallelModel, Runtime, apply_parallelism, build_mesh,
-                                 dp_coordinates, init_distributed, pick_device_type)
+from scaletrain.parallel import (
+    ParallelDims,
+    ParallelModel,
+    Runtime,
+    apply_parallelism,
+    build_mesh,
+    dp_coordinates,
+    init_distributed,
+    pick_device_type,
+)
 from scaletrain.train.job import Job, make_scaler
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.preflight import ResolvedJob, resolve_job
@@ -41,25 +49,40 @@ class StepResult:
 def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> ParallelModel:
     """The job's model from its spec, built on meta and laid out for the mesh (weights filled by name)."""
     spec = resolved.spec
-    return apply_parallelism(spec.build("meta"), resolved.dims, mesh, rt.device, cfg.parallel, cfg.precision,
-                             spec=spec, init_fn=lambda m: spec.init_weights(m, cfg.run.seed),
-                             microbatches=resolved.accumulation, seq_len=cfg.data.seq_len)
+    return apply_parallelism(
+        spec.build("meta"),
+        resolved.dims,
+        mesh,
+        rt.device,
+        cfg.parallel,
+        cfg.precision,
+        spec=spec,
+        init_fn=lambda m: spec.init_weights(m, cfg.run.seed),
+        microbatches=resolved.accumulation,
+        seq_len=cfg.data.seq_len,
+    )
 
 
-def build_loaders(cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
-                  ) -> tuple[DistributedLoader, DistributedLoader]:
+def build_loaders(
+    cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
+) -> tuple[DistributedLoader, DistributedLoader]:
     """(training loader, validation loader) of this data-parallel rank."""
     vocab = resolved.spec.vocab_size
     tokens = load_tokens(cfg.data, vocab, cfg.run.seed)
     # a backstop: preflight already scanned a token file before any rank started
     if len(tokens) and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
-        raise ValueError(f"data: token ids {int(tokens.min())}..{int(tokens.max())} fall outside the model's "
-                         f"vocabulary 0..{vocab - 1}; check data.token_dtype or set model.vocab_size")
+        raise ValueError(
+            f"data: token ids {int(tokens.min())}..{int(tokens.max())} fall outside the model's "
+            f"vocabulary 0..{vocab - 1}; check data.token_dtype or set model.vocab_size"
+        )
     train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
     seq, gb, seed = cfg.data.seq_len, cfg.train.global_batch_size, cfg.run.seed
-    return (DistributedLoader(TokenWindows(train_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed),
-            DistributedLoader(TokenWindows(val_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed,
-                              shuffle=False))
+    return (
+        DistributedLoader(TokenWindows(train_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed),
+        DistributedLoader(
+            TokenWindows(val_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed, shuffle=False
+        ),
+    )
 
 
 @dataclass
@@ -87,12 +110,28 @@ class Trainer:
         model = build_model(cfg, resolved, mesh, rt)
         optimizer = build_optimizer(model.module, cfg.train)
         dp_rank, dp_size = dp_coordinates(dims, mesh)
-        scaler = make_scaler(dims, cfg.precision.dtype, rt.device, cfg.precision.loss_scale_init,
-                             cfg.precision.loss_scale_growth_interval)
-        job = Job(model=model.module, optimizer=optimizer, dims=dims, mesh=mesh, device=rt.device, rank=rt.rank,
-                  world_size=rt.world_size, dp_rank=dp_rank, dtype=cfg.precision.dtype,
-                  grad_clip=cfg.train.grad_clip, scaler=scaler, pipeline=model.pipeline,
-                  loss_parallel=model.loss_parallel)
+        scaler = make_scaler(
+            dims,
+            cfg.precision.dtype,
+            rt.device,
+            cfg.precision.loss_scale_init,
+            cfg.precision.loss_scale_growth_interval,
+        )
+        job = Job(
+            model=model.module,
+            optimizer=optimizer,
+            dims=dims,
+            mesh=mesh,
+            device=rt.device,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            dp_rank=dp_rank,
+            dtype=cfg.precision.dtype,
+            grad_clip=cfg.train.grad_clip,
+            scaler=scaler,
+            pipeline=model.pipeline,
+            loss_parallel=model.loss_parallel,
+        )
         loader, val_loader = build_loaders(cfg, resolved, dp_rank, dp_size)
         return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
 
@@ -129,11 +168,19 @@ class Trainer:
             values = f"loss {loss:.6g}, gradient norm {float(grad_norm):.6g}"
             self.skipped_steps += 1
             if policy == "stop" or self.skipped_steps > self.cfg.train.max_skipped_steps:
-                raise NonFiniteError(f"step {step}: {what} is not finite ({values}; train.nan_policy={policy}, "
-                                     f"{self.skipped_steps} step(s) skipped); stopping: lower train.lr or set "
-                                     f"train.grad_clip")
-            log.warning("step %d: %s is not finite (%s), update skipped (%d/%d)", step, what, values,
-                        self.skipped_steps, self.cfg.train.max_skipped_steps)
+                raise NonFiniteError(
+                    f"step {step}: {what} is not finite ({values}; train.nan_policy={policy}, "
+                    f"{self.skipped_steps} step(s) skipped); stopping: lower train.lr or set "
+                    f"train.grad_clip"
+                )
+            log.warning(
+                "step %d: %s is not finite (%s), update skipped (%d/%d)",
+                step,
+                what,
+                values,
+                self.skipped_steps,
+                self.cfg.train.max_skipped_steps,
+            )
         lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         return StepResult(loss_sum, grad_norm, lr)
@@ -149,8 +196,12 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own state for a checkpoint (plain JSON-able data, world-size free)."""
         scaler = self.job.scaler
-        return {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
-                "skipped_steps": self.skipped_steps, "scaler": scaler.state_dict() if scaler is not None else None}
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])

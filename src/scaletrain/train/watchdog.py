@@ -74,10 +74,18 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.first_step_timeout_s = first_step_timeout_s
         self.enabled = timeout_s > 0
-        self._record = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(),
-                        "started": psutil.Process().create_time(),
-                        "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "step": 0,
-                        "phase": "start", "last_completed_step": 0, "progress_time": time.time(), "time": time.time()}
+        self._record = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": psutil.Process().create_time(),
+            "round": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "step": 0,
+            "phase": "start",
+            "last_completed_step": 0,
+            "progress_time": time.time(),
+            "time": time.time(),
+        }
         self._last = time.monotonic()
         self._first_step: int | None = None
         self._first_step_done = False
@@ -132,8 +140,11 @@ class Watchdog:
         now = time.time() if now is None else now
         beats = read_heartbeats(self.folder) if beats is None else beats
         mine = self._record
-        beats = [b for b in beats if b.get("host") == mine["host"] and b.get("round") == mine["round"]
-                 and b.get("rank", -1) < self.world_size]
+        beats = [
+            b
+            for b in beats
+            if b.get("host") == mine["host"] and b.get("round") == mine["round"] and b.get("rank", -1) < self.world_size
+        ]
         if not any(b["rank"] == self.rank for b in beats):
             beats.append(dict(mine))
         silent = [b for b in beats if now - b["time"] > silent_after(self.timeout_s)]
@@ -143,13 +154,19 @@ class Watchdog:
         else:
             worst = min(beats, key=lambda b: (b["last_completed_step"], b["step"], b["progress_time"]))
             why = "it is furthest behind"
-        others = "; ".join(f"rank {b['rank']}: last completed step {b['last_completed_step']}, "
-                           f"{'stopped reporting' if b in silent else 'waiting'} in phase '{b['phase']}' of step "
-                           f"{b['step']}" for b in sorted(beats, key=lambda b: b["rank"]) if b is not worst)
+        others = "; ".join(
+            f"rank {b['rank']}: last completed step {b['last_completed_step']}, "
+            f"{'stopped reporting' if b in silent else 'waiting'} in phase '{b['phase']}' of step "
+            f"{b['step']}"
+            for b in sorted(beats, key=lambda b: b["rank"])
+            if b is not worst
+        )
         seen = f" ({len(beats)} of {self.world_size} ranks are on this host)" if len(beats) < self.world_size else ""
-        message = (f"hang: no progress for {limit:.0f} s; rank {worst['rank']} looks stuck in phase "
-                   f"'{worst['phase']}' of step {worst['step']} (last completed step {worst['last_completed_step']}; "
-                   f"{why}); {others or 'no other rank visible'}{seen}")
+        message = (
+            f"hang: no progress for {limit:.0f} s; rank {worst['rank']} looks stuck in phase "
+            f"'{worst['phase']}' of step {worst['step']} (last completed step {worst['last_completed_step']}; "
+            f"{why}); {others or 'no other rank visible'}{seen}"
+        )
         return message, silent
 
     def _fire(self, limit: float) -> None:
@@ -159,8 +176,10 @@ class Watchdog:
         frozen = [b for b in silent if self._same_process(b)]
         if frozen:
             ranks = ", ".join(str(b["rank"]) for b in frozen)
-            sys.stderr.write(f"[rank{self.rank}] killing rank(s) {ranks} after this one exits: they stopped reporting "
-                             f"and would not answer the agent's SIGTERM\n")
+            sys.stderr.write(
+                f"[rank{self.rank}] killing rank(s) {ranks} after this one exits: they stopped reporting "
+                f"and would not answer the agent's SIGTERM\n"
+            )
             self._kill_after_exit([b["pid"] for b in frozen])
         sys.stderr.flush()
         os._exit(EXIT_HANG)  # the main thread is blocked in C++; only a hard exit gets out
@@ -179,9 +198,13 @@ class Watchdog:
     def _kill_after_exit(pids: list[int]) -> None:
         """SIGKILL `pids` once this process is gone and reaped: the agent then reports this rank's EXIT_HANG and its
         diagnosis, not the frozen rank's SIGKILL, and needs no SIGTERM grace for a process that cannot answer."""
-        subprocess.Popen([sys.executable, "-S", "-c", _KILLER, str(os.getpid()), *map(str, pids)],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, "-S", "-c", _KILLER, str(os.getpid()), *map(str, pids)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

@@ -49,11 +49,17 @@ def _from_hf_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
     rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-    return LlamaArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
-                     n_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-                     ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-                     max_seq_len=cfg.get("max_position_embeddings", 2048), rope_theta=float(rope),
-                     norm_eps=cfg.get("rms_norm_eps", 1e-5))
+    return LlamaArgs(
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+        ffn_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(rope),
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+    )
 
 
 class LlamaHF(HFAdapter):
@@ -63,12 +69,23 @@ class LlamaHF(HFAdapter):
     def config(self) -> dict:
         a = self.args
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
-            "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers,
-            "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim,
-            "vocab_size": a.vocab_size, "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
-            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.head_dim,
+            "vocab_size": a.vocab_size,
+            "max_position_embeddings": a.max_seq_len,
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": a.rope_theta},
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
             "torch_dtype": "float32",
         }
 
@@ -97,8 +114,11 @@ class LlamaHF(HFAdapter):
 
     def check_config(self, hf_config: dict) -> None:
         theirs = args_from_hf_config(hf_config)
-        mine = dataclasses.replace(self.args, max_seq_len=theirs.max_seq_len, rope_theta=theirs.rope_theta,
-                                   norm_eps=theirs.norm_eps)
+        mine = dataclasses.replace(
+            self.args, max_seq_len=theirs.max_seq_len, rope_theta=theirs.rope_theta, norm_eps=theirs.norm_eps
+        )
         if theirs != mine:
-            raise ValueError(f"checkpoint.init_from_hf: the folder's config.json describes {theirs}, the model "
-                             f"config is {self.args}; set model.* to match")
+            raise ValueError(
+                f"checkpoint.init_from_hf: the folder's config.json describes {theirs}, the model "
+                f"config is {self.args}; set model.* to match"
+            )

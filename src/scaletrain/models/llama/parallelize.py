@@ -16,8 +16,7 @@ if TYPE_CHECKING:
 def llama_tp_plan(model: Llama, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """{module path: ParallelStyle} for the built-in Llama (and any pipeline stage of it)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     sp = sequence_parallel
     act = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
@@ -29,24 +28,36 @@ def llama_tp_plan(model: Llama, sequence_parallel: bool, loss_parallel: bool) ->
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=act,
-                                         output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                         use_local_output=not loss_parallel)
+        plan["output"] = ColwiseParallel(
+            input_layouts=act,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     for name in model.layers:
         p = f"layers.{name}."
-        plan.update({
-            p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
-            p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(output_layouts=act),
-            p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
-            p + "feed_forward.w2": RowwiseParallel(output_layouts=act),
-        })
+        plan.update(
+            {
+                p + "attention.wq": ColwiseParallel(),
+                p + "attention.wk": ColwiseParallel(),
+                p + "attention.wv": ColwiseParallel(),
+                p + "attention.wo": RowwiseParallel(output_layouts=act),
+                p + "feed_forward.w1": ColwiseParallel(),
+                p + "feed_forward.w3": ColwiseParallel(),
+                p + "feed_forward.w2": RowwiseParallel(output_layouts=act),
+            }
+        )
         if sp:
-            plan.update({
-                p + "attention_norm": SequenceParallel(), p + "ffn_norm": SequenceParallel(),
-                # the rotary tables (2nd, 3rd inputs) are plain tensors every rank holds whole
-                p + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
-                p + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                       desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    p + "attention_norm": SequenceParallel(),
+                    p + "ffn_norm": SequenceParallel(),
+                    # the rotary tables (2nd, 3rd inputs) are plain tensors every rank holds whole
+                    p + "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    ),
+                    p + "feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
     return plan

@@ -55,8 +55,9 @@ class LlamaSpec(ModelSpec):
 
     def check_tp(self, tp: int) -> None:
         a = self.args
-        check_tp_divides(tp, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim,
-                         vocab_size=a.vocab_size)
+        check_tp_divides(
+            tp, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim, vocab_size=a.vocab_size
+        )
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         from scaletrain.models.llama.parallelize import llama_tp_plan
