@@ -22,9 +22,9 @@ from torch import nn
 from scaletrain.config.precisions import PrecisionName
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
 from scaletrain.parallel.apply import apply_parallelism
-from scaletrain.parallel.dims import ParallelDims, build_mesh, dp_coordinates
+from scaletrain.parallel.dims import ParallelDims, build_mesh
 from scaletrain.parallel.runtime import init_distributed, pick_device_type
-from scaletrain.train.job import Job, make_scaler, rebind_optimizer
+from scaletrain.train.job import Job, rebind_optimizer
 
 DataParallel = Literal["auto", "none", "ddp", "fsdp", "hsdp"]
 
@@ -79,21 +79,7 @@ def setup(
     dims = ParallelDims.resolve(pcfg, rt.world_size)
     mesh = build_mesh(dims, rt.device.type)
     names = {id(p): n for n, p in model.named_parameters()}
-    model = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision)).module
-    if any(id(p) not in names for p in model.parameters()):
-        optimizer = rebind_optimizer(optimizer, names, model)
-    scaler = make_scaler(dims, precision, rt.device, 2.0**16, 2000)
-    dp_rank, _ = dp_coordinates(dims, mesh)
-    return Job(
-        model=model,
-        optimizer=optimizer,
-        dims=dims,
-        mesh=mesh,
-        device=rt.device,
-        rank=rt.rank,
-        world_size=rt.world_size,
-        dp_rank=dp_rank,
-        dtype=precision,
-        grad_clip=grad_clip,
-        scaler=scaler,
-    )
+    laid_out = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision))
+    if any(id(p) not in names for p in laid_out.module.parameters()):
+        optimizer = rebind_optimizer(optimizer, names, laid_out.module)
+    return Job.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip)

@@ -14,8 +14,10 @@ from torch import nn
 
 from scaletrain.config.precisions import precision
 from scaletrain.parallel.data_parallel import DTYPES, uses_autocast
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.apply import ParallelModel
+from scaletrain.parallel.dims import ParallelDims, dp_coordinates
 from scaletrain.parallel.pipeline import Pipeline
+from scaletrain.parallel.runtime import Runtime
 
 
 def rebind_optimizer(
@@ -106,6 +108,38 @@ class Job:
     pipeline: Pipeline | None = None  # the schedule running this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits are vocabulary-sharded: loss and backward under loss_parallel()
     _params: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ParallelModel,
+        optimizer: torch.optim.Optimizer,
+        dims: ParallelDims,
+        mesh: Any,
+        rt: Runtime,
+        dtype: str = "fp32",
+        grad_clip: float = 0.0,
+        loss_scale_init: float = 2.0**16,
+        loss_scale_growth_interval: int = 2000,
+    ) -> Job:
+        """The Job of a model apply_parallelism laid out on `mesh`: this rank's data-parallel coordinate, the loss
+        scaler its precision needs, and how its step runs (pipeline, loss parallel) come from the layout."""
+        dp_rank, _ = dp_coordinates(dims, mesh)
+        return cls(
+            model=model.module,
+            optimizer=optimizer,
+            dims=dims,
+            mesh=mesh,
+            device=rt.device,
+            rank=rt.rank,
+            world_size=rt.world_size,
+            dp_rank=dp_rank,
+            dtype=dtype,
+            grad_clip=grad_clip,
+            scaler=make_scaler(dims, dtype, rt.device, loss_scale_init, loss_scale_growth_interval),
+            pipeline=model.pipeline,
+            loss_parallel=model.loss_parallel,
+        )
 
     def __post_init__(self) -> None:
         self._params = [p for p in self.model.parameters() if p.requires_grad]

@@ -25,11 +25,10 @@ from scaletrain.parallel import (
     Runtime,
     apply_parallelism,
     build_mesh,
-    dp_coordinates,
     init_distributed,
     pick_device_type,
 )
-from scaletrain.train.job import Job, make_scaler
+from scaletrain.train.job import Job
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.preflight import ResolvedJob, resolve_job
 from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
@@ -109,30 +108,18 @@ class Trainer:
         mesh = build_mesh(dims, device_type)
         model = build_model(cfg, resolved, mesh, rt)
         optimizer = build_optimizer(model.module, cfg.train)
-        dp_rank, dp_size = dp_coordinates(dims, mesh)
-        scaler = make_scaler(
+        job = Job.for_model(
+            model,
+            optimizer,
             dims,
+            mesh,
+            rt,
             cfg.precision.dtype,
-            rt.device,
+            cfg.train.grad_clip,
             cfg.precision.loss_scale_init,
             cfg.precision.loss_scale_growth_interval,
         )
-        job = Job(
-            model=model.module,
-            optimizer=optimizer,
-            dims=dims,
-            mesh=mesh,
-            device=rt.device,
-            rank=rt.rank,
-            world_size=rt.world_size,
-            dp_rank=dp_rank,
-            dtype=cfg.precision.dtype,
-            grad_clip=cfg.train.grad_clip,
-            scaler=scaler,
-            pipeline=model.pipeline,
-            loss_parallel=model.loss_parallel,
-        )
-        loader, val_loader = build_loaders(cfg, resolved, dp_rank, dp_size)
+        loader, val_loader = build_loaders(cfg, resolved, job.dp_rank, job.dp_size)
         return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
 
     @property
