@@ -58,22 +58,16 @@ def log_exception(rank: int, exc: BaseException) -> None:
 
 
 def failure_cause(path: Path, rank: int) -> str | None:
-    """The last `[rank<r>] ...` line of the latest attempt in a rank log (an exception's summary), or the
-    watchdog's hang diagnosis when there is one (headings ending in ':' skipped), without the prefix; None if
-    there is none."""
+    """The last `[rank<r>] ...` line of the latest attempt in a rank log (an exception's summary, or the
+    watchdog's hang diagnosis; both are written last), without the prefix; None if there is none."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
     starts = [i for i, line in enumerate(lines) if line.startswith(ATTEMPT_MARK)]
     prefix = f"[rank{rank}] "
-    found = [
-        line[len(prefix) :].strip()
-        for line in lines[starts[-1] if starts else 0 :]
-        if line.startswith(prefix) and not line.rstrip().endswith(":")
-    ]
-    hangs = [line for line in found if line.startswith("hang:")]  # the diagnosis, not the notes after it
-    return (hangs or found)[-1] if found else None
+    found = [line[len(prefix) :].strip() for line in lines[starts[-1] if starts else 0 :] if line.startswith(prefix)]
+    return found[-1] if found else None
 
 
 def _exit_text(exitcode: int | None) -> str:

@@ -171,8 +171,6 @@ class Watchdog:
 
     def _fire(self, limit: float) -> None:
         message, silent = self.diagnose(limit)
-        sys.stderr.write(f"[rank{self.rank}] {message}\n[rank{self.rank}] Python stacks of this rank:\n")
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         frozen = [b for b in silent if self._same_process(b)]
         if frozen:
             ranks = ", ".join(str(b["rank"]) for b in frozen)
@@ -181,6 +179,10 @@ class Watchdog:
                 f"and would not answer the agent's SIGTERM\n"
             )
             self._kill_after_exit([b["pid"] for b in frozen])
+        sys.stderr.write(f"[rank{self.rank}] Python stacks of this rank:\n")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        # the diagnosis last: a rank log's last `[rank<r>]` line is the cause the CLI quotes (monitor/rank_logs.py)
+        sys.stderr.write(f"[rank{self.rank}] {message}\n")
         sys.stderr.flush()
         os._exit(EXIT_HANG)  # the main thread is blocked in C++; only a hard exit gets out
 
