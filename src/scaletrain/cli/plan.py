@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from scaletrain.cli.errors import fail
 
@@ -72,12 +73,14 @@ def _console():
     return Console(width=width, highlight=False, soft_wrap=False)
 
 
-def _workload(model, params, dims, seq_len, global_batch, gpus):
+def _workload(model, params, dims, seq_len, global_batch, gpus, shape=None):
     from scaletrain.models import preset_spec, presets
     from scaletrain.plan.layout import Workload
     from scaletrain.plan.shapes import decoder_shape_for_params
 
-    if params is not None:
+    if shape is not None:  # a job config's model
+        args, name = shape, model
+    elif params is not None:
         args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
     else:
         if model not in presets() or preset_spec(model).shape() is None:
@@ -149,7 +152,7 @@ def _breakdown(row) -> str:
     return f"states {_gb(states)} · act {_gb(act)} · other {_gb(other)}"
 
 
-def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
+def _print_plan(result, top_lines, alt_lines, advice, budget, pinned=None, evaluated=False) -> None:
     from rich.table import Table
 
     con = _console()
@@ -164,9 +167,15 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
         f"{c.intra_link.name} inside, {c.inter_link.name} between"
         + (f" · {c.calibration_note}" if c.calibration_note else "")
     )
-    con.print(f"searched {result.searched:,} layouts in {result.seconds:.2f} s; {result.fitting:,} fit")
+    if evaluated:
+        fits = "fits" if result.rows[0].fits else "does NOT fit"
+        con.print(f"evaluated the layout the config pins ({', '.join(f'{k}={v}' for k, v in pinned.items())}): {fits}")
+    else:
+        pins = f" matching {', '.join(f'{k}={v}' for k, v in pinned.items())}" if pinned else ""
+        con.print(f"searched {result.searched:,} layouts{pins} in {result.seconds:.2f} s; {result.fitting:,} fit")
     table = Table(show_lines=False)
-    for col in ("#", "layout", "mem/GPU GB", "breakdown GB", "step s", "tokens/s", "MFU", "bubble %", "comm %"):
+    cols = ("#", "layout", "mem/GPU GB", "breakdown GB", "step s", "tokens/s", "MFU", "bubble %", "comm %", "fits")
+    for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "breakdown GB") else "right", no_wrap=True)
     for i, r in enumerate(result.rows, 1):
         table.add_row(
@@ -179,21 +188,26 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
             f"{r.mfu:.1%}",
             f"{r.bubble_share:.1%}",
             f"{r.comm_share:.1%}",
+            "yes" if r.fits else "NO",
         )
     con.print(table)
     top = result.rows[0]
     con.print(
-        "[bold]memory of #1 per GPU[/]: " + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0)
+        f"[bold]memory of {'#1' if not evaluated else 'this layout'} per GPU[/]: "
+        + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0)
     )
-    con.print("[bold]run #1 with[/]: " + top.layout.as_overrides())
-    con.print("[bold]why #1[/]:")
+    con.print(f"[bold]run {'#1' if not evaluated else 'it'} with[/]: " + top.layout.as_overrides())
+    con.print("[bold]why #1[/]:" if not evaluated else "[bold]this layout[/]:")
     for line in top_lines:
         con.print(f"  - {line}")
-    if alt_lines:
+    if evaluated:
+        con.print("[bold]nearest layouts that fit, fewest changes first[/]:" + ("" if alt_lines else " none"))
+    elif alt_lines:
         con.print("[bold]why not the alternatives[/]:")
-        for line in alt_lines:
-            con.print(f"  - {line}")
-    con.print("[bold]advice[/]:")
+    for line in alt_lines:
+        con.print(f"  - {line}")
+    if advice:
+        con.print("[bold]advice[/]:")
     for line in advice:
         con.print(f"  - {line}")
     if budget is not None:
@@ -259,7 +273,8 @@ def _print_compare(budgets, tokens, work) -> None:
     con.print("prices and node overheads are placeholders unless a cluster file or --usd-per-gpu-hour sets them")
 
 
-@click.command()
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config_args", nargs=-1, metavar="[CONFIG.toml] [section.key=value ...]")
 @click.option("--model", default="llama-8b", show_default=True, help="Built-in preset (see `scaletrain models`).")
 @click.option("--params", "params_text", default=None, help="Custom Llama-shaped size instead, e.g. 70B or 1e12.")
 @click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
@@ -293,6 +308,7 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.option("--pue", type=float, default=None, help="Power usage effectiveness (default 1.3, a placeholder).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def plan(
+    config_args,
     model,
     params_text,
     dim,
@@ -321,7 +337,12 @@ def plan(
     as_json,
 ) -> None:
     """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
-    explained. Example: `scaletrain plan --model llama-8b --gpus 64 --gpu h100-sxm --interconnect nvlink4,ib-ndr`."""
+    explained. Example: `scaletrain plan --model llama-8b --gpus 64 --gpu h100-sxm --interconnect nvlink4,ib-ndr`.
+
+    With a job config (`scaletrain plan my.toml parallel.tp=2`), its model, data.seq_len and every layout field it
+    sets (parallel.dp_replicate/dp_shard/tp/pp/pp_schedule/activation_checkpoint, train.micro_batch_size,
+    train.global_batch_size, precision.dtype) pin the search; when all are set, that one layout is evaluated and
+    printed even if it does not fit, with the nearest faster layouts that do."""
     from scaletrain.config.precisions import PRECISION_NAMES
     from scaletrain.plan import SearchOptions
     from scaletrain.plan import compare_gpus as compare
@@ -377,6 +398,18 @@ def plan(
     if sched:
         opts = dataclasses.replace(opts, schedules=sched)
 
+    config = _job_config(config_args) if config_args else None
+    shape = None
+    if config is not None:
+        cfg, given = config
+        from_flags = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
+        if params is None and not from_flags:
+            shape, model = _config_shape(cfg), cfg.model.name
+        seq_len = seq_len if seq_len is not None else cfg.data.seq_len
+        if global_batch is None and "train.global_batch_size" in given:
+            global_batch = cfg.train.global_batch_size
+        if gpus is None and cluster_file is None:
+            gpus = _config_world(cfg, given)
     cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     try:
         work = _workload(
@@ -393,9 +426,14 @@ def plan(
             seq_len,
             global_batch,
             cluster.gpus,
+            shape,
         )
     except ValueError as e:
         fail(str(e))
+    pins = None
+    if config is not None:
+        pins = _pins(config[0], config[1], work, cluster.gpus)
+        opts = _pinned_options(opts, pins)
 
     if compare_gpus:
         if tokens is None:
@@ -422,13 +460,92 @@ def plan(
         return
 
     try:
-        report = plan_report(work, cluster, opts, tokens)
+        if pins is not None and pins.complete:
+            from scaletrain.plan.pin import pinned_layout
+            from scaletrain.plan.report import evaluate_report
+
+            report = evaluate_report(work, cluster, pinned_layout(pins, work), opts, pins)
+        else:
+            report = plan_report(work, cluster, opts, tokens)
     except DoesNotFit as e:
-        fail(str(e))
+        pinned = f" with {', '.join(f'{k}={v}' for k, v in pins.to_dict().items())}" if pins else ""
+        fail(f"{e}{pinned}" if not pins else f"no layout{pinned} fits; {e}")
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    _print_plan(report.result, report.why, report.alternatives, report.advice, report.budget)
+    _print_plan(
+        report.result,
+        report.why,
+        report.alternatives,
+        report.advice,
+        report.budget,
+        report.pinned,
+        report.evaluated,
+    )
+
+
+def _job_config(config_args):
+    """(JobConfig, the dotted keys the user set) of `[CONFIG.toml] [key=value ...]`; one line on a bad config."""
+    from scaletrain.config import ConfigError, load_config
+    from scaletrain.config.load import split_config_args
+    from scaletrain.plan.auto import explicit_keys
+
+    path, overrides = split_config_args(config_args)
+    try:
+        cfg = load_config(path, overrides)
+        return cfg, explicit_keys(path, overrides)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def _config_shape(cfg):
+    """The planner's shape of the job config's model; one line when the planner cannot model it."""
+    from scaletrain.models.registry import model_spec
+
+    try:
+        spec = model_spec(cfg.model)
+    except ValueError as e:
+        fail(str(e))
+    shape = spec.shape()
+    if shape is None:
+        fail(f"model.name: the planner cannot model the {spec.family} family (no decoder shape)")
+    return shape
+
+
+def _config_world(cfg, given):
+    """GPUs a job config runs on: launch.nproc_per_node x launch.nnodes when set, else the product of the four
+    pinned degrees; None when neither says."""
+    from scaletrain.plan.pin import pinned_world, pins_from_config
+
+    if "launch.nproc_per_node" in given and cfg.launch.nproc_per_node > 0:
+        return cfg.launch.nproc_per_node * cfg.launch.nnodes
+    return pinned_world(pins_from_config(cfg, given, None))
+
+
+def _pins(cfg, given, work, world):
+    from scaletrain.plan.pin import PinError, check_pins, pins_from_config
+
+    pins = pins_from_config(cfg, given, world)
+    try:
+        check_pins(pins, work, world)
+    except PinError as e:
+        fail(str(e))
+    return pins
+
+
+def _pinned_options(opts, pins):
+    """Search options that cover every pinned value (a pinned precision, checkpointing mode, schedule or
+    micro-batch is searched even where the flags would not search it)."""
+    changes: dict = {"pins": pins}
+    if pins.get("precision") is not None:
+        changes["precisions"] = (pins.get("precision"),)
+    if pins.get("ac") is not None:
+        changes["ac_modes"] = (pins.get("ac"),)
+    if pins.get("schedule") is not None:
+        changes["schedules"] = (pins.get("schedule"),)
+    if pins.get("micro_batch") is not None:
+        changes["max_micro_batch"] = max(opts.max_micro_batch, int(pins.get("micro_batch")))
+    return dataclasses.replace(opts, **changes)
 
 
 @click.command()

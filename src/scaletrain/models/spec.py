@@ -41,13 +41,24 @@ class DecoderShape:
     ffn_dim: int
     vocab_size: int
     max_seq_len: int
+    # "llama": RMSNorm, GQA attention (SDPA/flash), SwiGLU MLP, no biases (the built-in model);
+    # "gpt": Megatron's GPT block (Korthikanti et al. 2022): LayerNorm, multi-head attention with the scores
+    # materialised (softmax, dropout), GELU MLP, biases everywhere; the planner models it to check itself against
+    # published Megatron-LM runs
+    block: str = "llama"
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count: attention (GQA), SwiGLU MLP, two norms per block, final norm, output (+ embedding)."""
+        """Parameter count: attention (GQA), SwiGLU MLP, two norms per block, final norm, output (+ embedding);
+        the GPT block: attention and a 2-matrix GELU MLP with biases, LayerNorms with biases."""
+        if self.block == "gpt":
+            h, f = self.dim, self.ffn_dim
+            per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+            emb = self.vocab_size * self.dim
+            return self.n_layers * per_layer + 2 * h + emb + (emb if include_embedding else 0)
         attn = self.dim * self.dim * 2 + 2 * self.dim * self.n_kv_heads * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
         per_layer = attn + mlp + 2 * self.dim

@@ -5,13 +5,15 @@ JSON."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.advice import Budget, budget_for, no_fit_message, setup_advice
 from scaletrain.plan.explain import explain_alternatives, explain_top
 from scaletrain.plan.layout import Workload
-from scaletrain.plan.search import PlanResult, SearchOptions, search_layouts
+from scaletrain.plan.memory import MEMORY_LINES
+from scaletrain.plan.pin import Pins, distance
+from scaletrain.plan.search import PlanResult, PlanRow, SearchOptions, evaluate_layout, search_layouts
 
 
 class DoesNotFit(ValueError):
@@ -25,6 +27,9 @@ class PlanReport:
     alternatives: list[str]
     advice: list[str]
     budget: Budget | None
+    pinned: dict = field(default_factory=dict)  # config key -> value the search was held to
+    evaluated: bool = False  # every layout field pinned: rows hold that one layout, fitting or not
+    nearest: list[PlanRow] = field(default_factory=list)  # evaluated and too big or slow: fitting, faster layouts
 
     def to_dict(self) -> dict:
         """JSON-able: model, workload, cluster, search figures, layouts, explanations, advice, budget."""
@@ -50,6 +55,9 @@ class PlanReport:
             "alternatives": self.alternatives,
             "advice": self.advice,
             "budget": self.budget.to_dict() if self.budget else None,
+            "pinned": self.pinned,
+            "evaluated": self.evaluated,
+            "nearest": [r.to_dict() for r in self.nearest],
         }
 
 
@@ -65,7 +73,43 @@ def plan_report(work: Workload, cluster: Cluster, opts: SearchOptions, tokens: f
         explain_alternatives(result),
         setup_advice(work, cluster, result, opts),
         budget_for(result, tokens) if tokens else None,
+        opts.pins.to_dict() if opts.pins else {},
     )
+
+
+def overflow_lines(row: PlanRow, capacity: float) -> list[str]:
+    """For a layout that does not fit: how far over it is, and its memory lines largest first (bytes as GB)."""
+    if row.fits:
+        return []
+    lines = sorted(((k, row.memory[k]) for k in MEMORY_LINES if row.memory[k] > 0), key=lambda kv: -kv[1])
+    return [
+        f"does not fit: needs {row.memory_total / 1e9:.1f} GB of {capacity / 1e9:.1f} GB per GPU, "
+        f"{(row.memory_total - capacity) / 1e9:.1f} GB over",
+        *(f"{k}: {v / 1e9:.1f} GB ({v / row.memory_total:.0%})" for k, v in lines),
+    ]
+
+
+def evaluate_report(
+    work: Workload, cluster: Cluster, layout, opts: SearchOptions, pins: Pins, nearest: int = 5
+) -> PlanReport:
+    """The prediction for one fully pinned layout, fitting or not, and the nearest layouts (fewest changed
+    choices, then fastest) that fit and are faster than it."""
+    row = evaluate_layout(work, cluster, layout)
+    free = dataclasses.replace(opts, pins=None, top=100_000)
+    result = search_layouts(work, cluster, free)
+    faster = [r for r in result.rows if r.step_s < row.step_s]
+    if not faster and not row.fits:  # nothing that fits is faster: the nearest that fit at all
+        faster = list(result.rows)
+    faster.sort(key=lambda r: (distance(r.layout, layout), r.step_s))
+    result = dataclasses.replace(result, rows=[row])
+    why = [f"{layout.describe()}: {row.step_s:.3g} s per step, {row.tokens_per_s:,.0f} tokens/s, MFU {row.mfu:.0%}."]
+    why += overflow_lines(row, cluster.memory_bytes)
+    alternatives = [
+        f"{r.layout.describe()}: {r.step_s:.3g} s ({row.step_s / r.step_s:.2f}x the speed of this one), "
+        f"{r.memory_total / 1e9:.1f} GB; {r.layout.as_overrides()}"
+        for r in faster[:nearest]
+    ]
+    return PlanReport(result, why, alternatives, [], None, pins.to_dict(), True, faster[:nearest])
 
 
 def compare_dict(work: Workload, tokens: float, budgets: list[Budget]) -> dict:

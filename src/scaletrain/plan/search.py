@@ -18,6 +18,7 @@ from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.config.schedules import SCHEDULE_NAMES
 from scaletrain.plan.layout import AC_MODES, Layout, LayoutGrid, Workload
 from scaletrain.plan.memory import MEMORY_LINES, memory_breakdown, total_bytes
+from scaletrain.plan.pin import Pins
 from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code, schedule_column
 from scaletrain.plan.shapes import layout_columns, params_per_rank
 from scaletrain.plan.steptime import TIME_LINES, peak_flops, step_seconds, time_breakdown
@@ -32,6 +33,7 @@ class SearchOptions:
     max_micro_batch: int = 16
     max_tp: int | None = None
     top: int = 10
+    pins: Pins | None = None  # layout fields a job config fixes (plan/pin.py); None: search every value
 
 
 @dataclass
@@ -154,6 +156,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
     b = np.asarray(base, dtype=np.int64)
 
     mbs = [1 << i for i in range(0, 16) if (1 << i) <= opts.max_micro_batch]
+    if opts.pins is not None and opts.pins.get("micro_batch") is not None:
+        mbs = [int(opts.pins.values["micro_batch"])]
     acs = [AC_MODES.index(a) for a in opts.ac_modes]
     precs = [PRECISION_NAMES.index(p) for p in opts.precisions]
     scheds = [NO_PIPELINE] + [schedule_code(s) for s in opts.schedules]
@@ -172,7 +176,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
     keep &= ~(schedule_column("planner_even_pp", False)[sched] & (pp % 2 == 1))  # DualPipeV pairs stages
     vstages = np.where(pp == 1, 1, vstages)
     cols = [dpr, dps, tp, pp, cp, mb, m, ac, prec, sched, vstages]
-    return LayoutGrid(*(c[keep] for c in cols))
+    grid = LayoutGrid(*(c[keep] for c in cols))
+    return grid.take(opts.pins.mask(grid)) if opts.pins else grid
 
 
 def search_layouts(work: Workload, cluster: Cluster, opts: SearchOptions | None = None) -> PlanResult:

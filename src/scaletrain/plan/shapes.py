@@ -13,11 +13,33 @@ from scaletrain.models.stages import rank_layers
 # how tensor parallelism shards each weight (parallel/tensor_parallel.py): colwise linears on dim 0, rowwise on
 # dim 1; the embedding on the hidden dim (1), the output layer on the vocabulary (0); norms are replicated
 _TP_DIM = {"q": 0, "k": 0, "v": 0, "gate": 0, "up": 0, "o": 1, "down": 1, "embedding": 1, "output": 0}
+# Megatron's GPT block: column-parallel biases split with their weights, row-parallel biases and LayerNorms replicated
+_TP_DIM.update({"q_bias": 0, "k_bias": 0, "v_bias": 0, "up_bias": 0})
 
 
 def layer_param_shapes(args: DecoderShape) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of one transformer block's parameters, in the order the block registers them."""
     h, kv = args.dim, args.n_kv_heads * args.head_dim
+    if args.block == "gpt":
+        f = args.ffn_dim
+        return [
+            ("attention_norm", (h,)),
+            ("attention_norm_bias", (h,)),
+            ("q", (h, h)),
+            ("q_bias", (h,)),
+            ("k", (h, h)),
+            ("k_bias", (h,)),
+            ("v", (h, h)),
+            ("v_bias", (h,)),
+            ("o", (h, h)),
+            ("o_bias", (h,)),
+            ("ffn_norm", (h,)),
+            ("ffn_norm_bias", (h,)),
+            ("up", (f, h)),
+            ("up_bias", (f,)),
+            ("down", (h, f)),
+            ("down_bias", (h,)),
+        ]
     return [
         ("attention_norm", (h,)),
         ("q", (args.n_heads * args.head_dim, h)),
@@ -66,7 +88,8 @@ def rank_params(
         "output", (args.vocab_size, args.dim), tp, dp_shard
     )
     out = []
-    for layers, has_emb, has_head in rank_layers(args, seq_len or args.max_seq_len, pp, stages_per_rank, v_shaped):
+    seq = seq_len or args.max_seq_len
+    for layers, has_emb, has_head in rank_layers(args, seq, pp, stages_per_rank, v_shaped, stage_balance(args)):
         out.append(
             (layers * layer + has_emb * emb + has_head * head, layers * n_layer_tensors + has_emb + 2 * has_head)
         )
@@ -84,6 +107,12 @@ def params_per_rank(
 ) -> tuple[int, int]:
     """(parameter elements, parameter tensors) on the rank that holds the most; exact for that rank."""
     return max(rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank, v_shaped))
+
+
+def stage_balance(args: DecoderShape) -> str:
+    """How pipeline stages are cut: scaletrain's trainer balances estimated cost; Megatron-LM (the GPT block's
+    runs) gives every stage the same number of layers."""
+    return "layers" if args.block == "gpt" else "cost"
 
 
 def layer_params(args: DecoderShape) -> int:
@@ -161,7 +190,7 @@ def param_columns(
         v = v if p > 1 else 1
         per_rank = rank_params(args, t, p, d, seq, v, bool(shape))
         big = max(range(p), key=lambda r: per_rank[r])
-        layers = rank_layers(args, seq, p, v, bool(shape))
+        layers = rank_layers(args, seq, p, v, bool(shape), stage_balance(args))
         body = [lay for lay, _, head in layers if not head]
         head_layers = next(lay for lay, _, head in layers if head)
         rows.append(

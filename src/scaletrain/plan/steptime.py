@@ -17,6 +17,7 @@ import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
+from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds
 from scaletrain.config.precisions import PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
@@ -98,11 +99,16 @@ def time_breakdown(
     )
     loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
+    layer_bwd, selective_fwd = 2.0 * layer_fwd, pointwise_fwd  # backward: twice the forward's FLOPs
+    if args.block == "gpt":  # Megatron's GPT block, op by op on efficiency curves (plan/efficiency.py)
+        layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, s, tp, r_mm, cluster, e)
+        out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + loss_fwd
     # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
-    body, head = cols["layers_body"] * layer_fwd, cols["layers_head"] * layer_fwd + out_fwd
+    layer = layer_fwd + layer_bwd
+    body, head = cols["layers_body"] * layer, cols["layers_head"] * layer + 3.0 * out_fwd
     layers = np.where(body > head, cols["layers_body"], cols["layers_head"])  # blocks on the slowest rank
-    compute_mb = 3.0 * np.maximum(body, head)
-    recompute_mb = np.select([grid.ac == 2, grid.ac == 1], [layers * layer_fwd, layers * pointwise_fwd], 0.0)
+    compute_mb = np.maximum(body, head)
+    recompute_mb = np.select([grid.ac == 2, grid.ac == 1], [layers * layer_fwd, layers * selective_fwd], 0.0)
 
     # tensor parallel (sequence parallel): per block 2 all-gathers + 2 reduce-scatters forward, as many backward,
     # 2 more for a recomputed forward; the output layer gathers once each way

@@ -1,0 +1,129 @@
+"""Efficiency curves instead of single peak factors: how fast a GEMM of a given shape, a memory-bound kernel of a
+given size and a block of Megatron's GPT model run on a GPU, each curve with its source.
+
+- GEMMs: tile and wave quantization (NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, 2023,
+  §2.3 and §3 [R]): cuBLAS splits the output into thread-block tiles, each SM computes one tile at a time, so a
+  GEMM takes ceil(tiles / SMs) waves and a partial tile or a partial wave costs a whole one. Small and skinny
+  GEMMs (few tiles, short k) therefore run far below the large-GEMM ceiling (GPUSpec.matmul_efficiency). A GEMM
+  that moves more bytes than it can compute on is memory-bound (the roofline, Williams et al. 2009).
+- Memory-bound kernels (norms, bias + activation, dropout, softmax, the optimizer): bytes at the achieved share of
+  the memory bandwidth for their size (MEMORY_SIZE_EFFICIENCY).
+- Collectives: latency + bandwidth per ring step (plan/comm.py), so small messages pay mostly latency.
+- Host overhead per op: plan/steptime.py (OPS_PER_BLOCK x Cluster.op_overhead_s).
+
+`scaletrain bench` measures a host's large-GEMM rate, copy bandwidth and per-op overhead; those replace the catalog's
+figures the curves scale (hardware/calibration.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scaletrain.hardware.cluster import Cluster
+
+# Streaming multiprocessors per GPU: each runs one GEMM tile at a time (wave quantization). NVIDIA A100 Tensor Core
+# GPU Architecture whitepaper (108 SMs) [T]; H100 whitepaper (132 SMs SXM5, 114 PCIe) [T]; H200 = H100 SXM die [T];
+# B200 148 [T, unconfirmed]; L40S 142, RTX 4090 128 (Ada whitepaper) [T]. A CPU has no waves: None.
+SM_COUNT: dict[str, int] = {
+    "a100-80gb": 108,
+    "a100-40gb": 108,
+    "h100-sxm": 132,
+    "h100-pcie": 114,
+    "h200": 132,
+    "b200": 148,
+    "l40s": 142,
+    "rtx-4090": 128,
+}
+# (tile rows, tile columns, throughput of one SM on this tile relative to the largest): the guide's §2.3 lists
+# 256x128 as the most efficient cuBLAS tile and smaller tiles as less efficient "since they reuse less data";
+# the 0.85 / 0.65 factors are unconfirmed estimates (the guide shows the trend, not a figure). cuBLAS's heuristics
+# choose a tile per shape: the fastest of these is taken.
+GEMM_TILES = ((256, 128, 1.0), (128, 128, 0.85), (128, 64, 0.65))
+# Achieved share of the memory bandwidth by bytes a kernel moves: Calculon (Isaev et al., SC'23) artifact,
+# calculon-ai/calculon systems/a100_80g.json "mem1" MB_efficiency [R]: >= 100 MB 0.90, >= 10 MB 0.75, >= 1 MB 0.60,
+# else 0.30. (Calculon fitted its curves to the same Megatron runs benchmarks/planner_published.py checks against,
+# so that check is not independent of this curve; the held-out table is.)
+MEMORY_SIZE_EFFICIENCY = ((100e6, 0.90), (10e6, 0.75), (1e6, 0.60), (0.0, 0.30))
+
+
+def memory_seconds(nbytes, cluster: Cluster, per_kernel_bytes=None):
+    """Seconds to stream `nbytes` through device memory in kernels of `per_kernel_bytes` each (default: one kernel)
+    at the achieved bandwidth for that size; a calibrated (measured) bandwidth is used as measured."""
+    nbytes = np.asarray(nbytes, dtype=np.float64)
+    if cluster.measured_memory_bw or cluster.gpu.name not in SM_COUNT:
+        return nbytes / cluster.memory_bw
+    size = nbytes if per_kernel_bytes is None else np.asarray(per_kernel_bytes, dtype=np.float64)
+    eff = np.full(np.shape(size), MEMORY_SIZE_EFFICIENCY[-1][1])
+    for threshold, value in reversed(MEMORY_SIZE_EFFICIENCY[:-1]):
+        eff = np.where(size >= threshold, value, eff)
+    return nbytes / (cluster.memory_bw * eff)
+
+
+def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
+    """Seconds of `batch` GEMMs of [m x k] @ [k x n] at a large-GEMM rate of `rate` FLOP/s: tile and wave
+    quantization over the GPU's SMs (none on a CPU), and never faster than its bytes at memory bandwidth."""
+    m, n, k, batch = (np.asarray(x, dtype=np.float64) for x in (m, n, k, batch))
+    rate = np.asarray(rate, dtype=np.float64)
+    flops = 2.0 * m * n * k * batch
+    sms = SM_COUNT.get(cluster.gpu.name)
+    if sms is None or cluster.measured_matmul_flops:
+        compute = flops / rate
+    else:
+        compute = np.full(np.broadcast(m, n, k, batch, rate).shape, np.inf)
+        for tm, tn, rel in GEMM_TILES:
+            tiles = batch * np.ceil(m / tm) * np.ceil(n / tn)
+            waves = np.ceil(tiles / sms)
+            compute = np.minimum(compute, waves * 2.0 * tm * tn * k / (rate * rel / sms))
+    moved = elem_bytes * batch * (m * k + k * n + m * n)
+    return np.maximum(compute, memory_seconds(moved, cluster))
+
+
+def linear_seconds(tokens, n_in, n_out, rate, cluster: Cluster, elem_bytes):
+    """(forward, backward) seconds of a linear layer on `tokens` rows: Y = XW, then dX = dY W^T and dW = X^T dY."""
+    fwd = gemm_seconds(tokens, n_out, n_in, rate, cluster, elem_bytes)
+    bwd = gemm_seconds(tokens, n_in, n_out, rate, cluster, elem_bytes) + gemm_seconds(
+        n_in, n_out, tokens, rate, cluster, elem_bytes
+    )
+    return fwd, bwd
+
+
+# Megatron's GPT block (Korthikanti et al. 2022, their Figure/Table 2 tensors) moves per token in forward, in
+# elements of the activation dtype: LayerNorm in + out 2h twice, bias + dropout + residual add (reads 2h, writes h,
+# a 1-byte mask h) twice, bias + GELU on the MLP's 4h (read, write); per head and key position: the fused
+# scale-mask-softmax reads and writes the scores, dropout reads them and writes its output and a 1-byte mask.
+GPT_POINTWISE_ELEMENTS_H = 2.0 * 2 + 2 * 3.0  # LayerNorms, bias-dropout-adds (masks counted in bytes below)
+GPT_MASK_BYTES_H = 2.0  # the two residual dropout masks, one byte per element
+GPT_GELU_ELEMENTS_F = 2.0  # bias + GELU: read and write the ffn_dim activation
+GPT_SCORE_ELEMENTS = 4.0  # softmax read + write, dropout read + write, per head per key position
+GPT_SCORE_MASK_BYTES = 1.0
+
+
+def gpt_layer_seconds(args, tokens, seq_len, tp, rate, cluster: Cluster, elem_bytes):
+    """(forward, backward, attention core forward) seconds of one Megatron GPT block on one tensor-parallel rank,
+    for `tokens` = micro-batch x sequence tokens. The attention core (QK^T, softmax, dropout, AV) is what
+    selective recomputation re-runs (Korthikanti et al. 2022, §5). Sequence parallelism: LayerNorms and dropouts
+    run on tokens / tp."""
+    h, f, a, d = float(args.dim), float(args.ffn_dim), float(args.n_heads), float(args.head_dim)
+    tp = np.asarray(tp, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    e = np.asarray(elem_bytes, dtype=np.float64)
+    fwd = np.zeros(np.broadcast(tokens, tp, e).shape)
+    bwd = np.zeros_like(fwd)
+    for n_in, n_out in ((h, 3.0 * h / tp), (h / tp, h), (h, f / tp), (f / tp, h)):
+        lf, lb = linear_seconds(tokens, n_in, n_out, rate, cluster, e)
+        fwd, bwd = fwd + lf, bwd + lb
+    # attention core: batched over (sequences x local heads); scores s x s
+    seqs = tokens / seq_len
+    heads = seqs * a / tp
+    s = float(seq_len)
+    qk = gemm_seconds(s, s, d, rate, cluster, e, heads)
+    av = gemm_seconds(s, d, s, rate, cluster, e, heads)
+    score_bytes = heads * s * s * (GPT_SCORE_ELEMENTS * e + GPT_SCORE_MASK_BYTES)
+    core_fwd = qk + av + memory_seconds(score_bytes, cluster, score_bytes / 2)
+    # backward of QK^T and AV: two GEMMs each; softmax and dropout backward move about twice the bytes
+    core_bwd = 2.0 * (qk + av) + memory_seconds(2.0 * score_bytes, cluster, score_bytes / 2)
+    point_bytes = tokens / tp * (e * (GPT_POINTWISE_ELEMENTS_H * h) + GPT_MASK_BYTES_H * h) + tokens * (
+        e * GPT_GELU_ELEMENTS_F * f / tp
+    )
+    point = memory_seconds(point_bytes, cluster, point_bytes / 6)  # ~6 kernels per block forward
+    return fwd + core_fwd + point, bwd + core_bwd + 2.0 * point, core_fwd
