@@ -122,3 +122,27 @@ def test_checkpoint_benchmark_runs(tmp_path):
     text = report.read_text()
     assert text.startswith("# Benchmarks\n\n## Notes\n\nhand-written\n")
     assert "## Checkpoints: save stall, throughput, recovery" in text and "| **total**" in text
+
+
+def test_data_prepare_benchmark_runs(tmp_path):
+    """Both sides (scaletrain prepare, datasets load + map) on a tiny corpus: same token count, the table renders."""
+    pytest.importorskip("datasets")
+    report = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/data_prepare.py"),
+            "--mb",
+            "0.3",
+            "--reps",
+            "1",
+            "--markdown",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| scaletrain `data prepare` |" in proc.stdout and "| datasets `map` alone |" in proc.stdout
+    assert "## Data prepare: tokens/s against datasets.map" in report.read_text()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import click
 
 from scaletrain.cli.ckpt import ckpt
+from scaletrain.cli.data import data
 from scaletrain.cli.doctor import doctor
 from scaletrain.cli.errors import fail
 from scaletrain.cli.launch import launch
@@ -187,6 +188,7 @@ main.add_command(ckpt)
 main.add_command(launch)
 main.add_command(doctor)
 main.add_command(report)
+main.add_command(data)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,202 @@
+"""`scaletrain data prepare|inspect`: turn a corpus into token shards, and look into a prepared dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from scaletrain.cli.errors import fail
+from scaletrain.exit_codes import EXIT_FAILED
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+@click.group()
+def data() -> None:
+    """Prepare a corpus into token shards; inspect a prepared dataset."""
+
+
+@data.command("prepare")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT...")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to write the dataset to.")
+@click.option(
+    "--tokenizer",
+    required=True,
+    metavar="PATH|bytes",
+    help="A Hugging Face tokenizer folder or tokenizer.json (read locally, nothing downloaded), or `bytes`: "
+    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos).",
+)
+@click.option("--text-key", default="text", show_default=True, help="JSON key / column holding each document.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes reading and tokenizing (default: the CPUs this process may use). The output is the same "
+    "for any number.",
+)
+@click.option("--eos/--no-eos", default=True, show_default=True, help="Append the EOS token after each document.")
+@click.option(
+    "--val-share",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Share of documents held out for validation (whole documents, chosen by a hash of their index).",
+)
+@click.option(
+    "--shard-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Close a shard once it holds this many tokens (whole documents; default 100,000,000).",
+)
+@click.option("--overwrite", is_flag=True, help="Replace a dataset (or unfinished prepare) made with other arguments.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+def prepare_cmd(
+    inputs: tuple[str, ...],
+    out: Path,
+    tokenizer: str,
+    text_key: str,
+    workers: int | None,
+    eos: bool,
+    val_share: float,
+    shard_tokens: int | None,
+    overwrite: bool,
+    progress: bool | None,
+) -> None:
+    """Tokenize INPUT... (text files or folders, JSON Lines (.jsonl, .jsonl.gz), Parquet, `datasets.save_to_disk`
+    folders) into token shards with a manifest in --out.
+
+    A text file is one document. Rerunning an interrupted prepare with the same arguments finishes it without
+    redoing finished shards; manifest.json is written last, so an unfinished folder never looks complete.
+    """
+    from concurrent.futures.process import BrokenProcessPool
+
+    from scaletrain.data.prepare import PrepareError, PrepareOptions, prepare
+
+    opts = PrepareOptions(
+        inputs=list(inputs),
+        out=out,
+        tokenizer=tokenizer,
+        text_key=text_key,
+        workers=workers or len(os.sched_getaffinity(0)),
+        eos=eos,
+        val_share=val_share,
+        overwrite=overwrite,
+    )
+    if shard_tokens is not None:
+        opts.shard_tokens = shard_tokens
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _ProgressBar() if show else None
+    try:
+        result = prepare(opts, on_progress=bar.update if bar else None)
+    except PrepareError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; rerun the same command to finish (finished shards are kept)", code=EXIT_INTERRUPTED)
+    except BrokenProcessPool:
+        fail("a worker process died (out of memory?); rerun the same command to resume", code=EXIT_FAILED)
+    except OSError as e:
+        fail(f"{e.filename or out}: {e.strerror or e}; rerun the same command to resume", code=EXIT_FAILED)
+    finally:
+        if bar is not None:
+            bar.stop()
+    m = result.manifest
+    if result.already_done:
+        click.echo(f"{out}: already prepared with these arguments; nothing to do")
+        return
+    train, val = m.splits["train"], m.splits["val"]
+    resumed = f", resumed at piece {result.resumed_from_piece}" if result.resumed_from_piece else ""
+    rate = result.tokens_this_run / max(result.seconds, 1e-9)
+    click.echo(
+        f"{out}: train {train.num_documents:,} documents {train.num_tokens:,} tokens in {len(train.shards)} "
+        f"shard(s), val {val.num_documents:,} documents {val.num_tokens:,} tokens; {m.dtype}, vocabulary "
+        f"{m.tokenizer.vocab_size:,}; {result.seconds:.1f} s, {rate:,.0f} tokens/s with {opts.workers} "
+        f"worker(s){resumed}"
+    )
+
+
+class _ProgressBar:
+    """Input bytes done with ETA, and tokens/s, on stderr (rich)."""
+
+    def __init__(self) -> None:
+        import time
+
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+        self._time = time.monotonic
+        self._start = self._time()
+        self._progress = Progress(
+            TextColumn("prepare"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._task = self._progress.add_task("prepare", total=None, rate="")
+        self._progress.start()
+
+    def update(self, done: int, total: int, tokens: int) -> None:
+        rate = tokens / max(self._time() - self._start, 1e-9)
+        self._progress.update(self._task, completed=done, total=total, rate=f"{rate:,.0f} tokens/s")
+
+    def stop(self) -> None:
+        self._progress.stop()
+
+
+@data.command("inspect")
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option("--verify", is_flag=True, help="Check every file's sha256 against the manifest (reads all the data).")
+@click.option("--sample-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+def inspect_cmd(folder: Path, verify: bool, sample_tokens: int) -> None:
+    """Counts, shards, dtype and tokenizer of a prepared dataset, and a decoded sample."""
+    import numpy as np
+
+    from scaletrain.data.manifest import DOCS_DTYPE, DatasetError, check_shard_sizes, read_manifest, verify_shards
+    from scaletrain.data.tokenizer import tokenizer_for
+
+    try:
+        m = read_manifest(folder)
+    except DatasetError as e:
+        fail(str(e))
+    t = m.tokenizer
+    eos = "none" if t.eos_id is None else str(t.eos_id)
+    click.echo(f"{folder}: {m.format} v{m.version}, {m.dtype} tokens ({m.created_by or 'unknown maker'})")
+    click.echo(f"tokenizer: {t.kind} {t.name} (vocabulary {t.vocab_size:,}, EOS {eos}, sha256 {t.fingerprint[:16]})")
+    src = m.source
+    if src:
+        click.echo(
+            f"made from: {src.get('files', '?')} file(s), text key {src.get('text_key')!r}, val share "
+            f"{src.get('val_share')}, shard tokens {src.get('shard_tokens', '?'):,}"
+        )
+    for name, split in m.splits.items():
+        click.echo(
+            f"{name}: {split.num_documents:,} documents, {split.num_tokens:,} tokens, {len(split.shards)} shard(s)"
+        )
+        for s in split.shards[:8]:
+            click.echo(f"  {s.tokens}  {s.num_tokens:,} tokens  {s.num_documents:,} documents")
+        if len(split.shards) > 8:
+            click.echo(f"  ... {len(split.shards) - 8} more")
+    try:
+        (verify_shards if verify else check_shard_sizes)(folder, m)
+    except DatasetError as e:
+        fail(str(e), code=EXIT_FAILED)
+    files = 2 * sum(len(s.shards) for s in m.splits.values())
+    click.echo(f"files: {files} present with the recorded sizes" + (", sha256 verified" if verify else ""))
+
+    shards = m.splits["train"].shards or m.splits.get("val", m.splits["train"]).shards
+    if not shards:
+        return
+    first = shards[0]
+    end = int(np.fromfile(folder / first.docs, dtype=DOCS_DTYPE, count=1)[0])
+    ids = np.fromfile(folder / first.tokens, dtype=np.dtype(m.dtype), count=min(end, sample_tokens)).tolist()
+    click.echo(f"sample ({first.tokens}, document 0, first {len(ids)} of {end} tokens): {ids}")
+    tok = tokenizer_for(t)
+    if tok is None:
+        click.echo(f"decoded: (tokenizer {t.name} not found or changed since prepare; ids only)")
+    else:
+        click.echo(f"decoded: {json.dumps(tok.decode(ids), ensure_ascii=False)}")
