@@ -122,5 +122,8 @@ def check_data(cfg: DataConfig, vocab_size: int, global_batch: int, seed: int = 
             )
         if ds.manifest is not None and cfg.checksums != "sizes":
             assert ds.path is not None
-            verify_prepared(ds.path, ds.manifest, ds.cache_dir, always=cfg.checksums == "always")
+            try:
+                verify_prepared(ds.path, ds.manifest, ds.cache_dir, always=cfg.checksums == "always")
+            except DatasetError as e:
+                raise DatasetError(f"{field}: {e}") from None
     return datasets
