@@ -164,3 +164,21 @@ def test_resume_from_two_to_four_real_ranks_sees_every_sample_once_per_epoch(tmp
     assert sorted(seen[:n]) == list(range(n))  # the first epoch: every sample exactly once
     assert len(set(seen[n:])) == len(seen) - n  # the second: no repeats so far
     assert second["state"]["consumed_samples"] == 160
+
+
+def test_layouts_keep_loss_parity_on_a_prepared_dataset(tmp_path):
+    from scaletrain.data.sources import stdlib_documents
+    from test_parallel_layouts import TOL, launch_runner, runner_losses
+
+    text, starts = stdlib_documents(300_000)
+    docs = [list(text[a:b]) for a, b in zip([0, *starts], [*starts, len(text)])]
+    write_prepared(tmp_path / "ds", {"train": docs[:-3], "val": docs[-3:]}, docs_per_shard=20)
+    data = [f"data.path={tmp_path / 'ds'}", "data.mask_doc_starts=true"]
+    launch_runner(1, {"single": data}, tmp_path / "one")
+    jobs = {"fsdp": data, "ddp": [*data, "parallel.dp_replicate=2"], "accum": [*data, "train.micro_batch_size=2"]}
+    launch_runner(2, jobs, tmp_path / "two")
+    ref = runner_losses(tmp_path / "one" / "single")
+    assert len(ref) == 10 and ref[-1] < ref[0]
+    for name in jobs:
+        got = runner_losses(tmp_path / "two" / name)
+        assert max(abs(a - b) for a, b in zip(ref, got)) <= TOL, (name, ref, got)
