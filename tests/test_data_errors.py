@@ -35,7 +35,8 @@ def _empty(d):
 
 def _short(d):
     write_prepared(d / "ds", {"train": random_documents(2, 200, 3), "val": random_documents(2, 200, 4)})
-    return ["data.path=" + str(d / "ds"), "train.global_batch_size=64"], "data.path: " + str(d / "ds") + " holds 175 tokens, too few"
+    start = f"data.path: {d / 'ds'} holds 175 tokens, too few"
+    return ["data.path=" + str(d / "ds"), "train.global_batch_size=64"], start
 
 
 def _checksum(d):
