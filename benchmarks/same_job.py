@@ -14,7 +14,7 @@ import time
 import torch
 
 from scaletrain.config import DataConfig, ModelConfig
-from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
+from scaletrain.data import DistributedLoader, build_loaders
 from scaletrain.models import model_spec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -44,10 +44,8 @@ def model_on(a: argparse.Namespace, device: torch.device | str):
 
 def loader_for(a: argparse.Namespace, rank: int, world: int) -> DistributedLoader:
     """This rank's share of each global batch, from the same token stream and order as scaletrain's."""
-    tokens, _ = split_stream(load_tokens(DataConfig(seq_len=a.seq_len, max_bytes=a.max_bytes), 256, 0), 0.05)
-    return DistributedLoader(
-        TokenWindows(tokens, a.seq_len), a.global_batch, a.global_batch // world, rank, world, seed=0
-    )
+    cfg = DataConfig(seq_len=a.seq_len, max_bytes=a.max_bytes, prefetch=0)
+    return build_loaders(cfg, 256, 0, a.global_batch, a.global_batch // world, rank, world)[0]
 
 
 def adamw(params) -> torch.optim.AdamW:

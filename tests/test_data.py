@@ -3,7 +3,7 @@
 import torch
 
 from scaletrain.config import DataConfig
-from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream, stdlib_files
+from scaletrain.data import DistributedLoader, TokenWindows, open_datasets, stdlib_files
 
 
 def _windows(n_tokens=10_001, seq=10):
@@ -80,7 +80,7 @@ def test_stdlib_source_is_deterministic_bytes():
     files = stdlib_files()
     assert files == sorted(files) and len(files) > 100
     cfg = DataConfig(max_bytes=50_000)
-    a, b = load_tokens(cfg, 256, 0), load_tokens(cfg, 256, 0)
-    assert torch.equal(a, b) and len(a) == 50_000 and int(a.max()) < 256
-    train, val = split_stream(a, 0.1)
-    assert len(train) + len(val) == len(a) and len(val) == 5_000
+    a, b = open_datasets(cfg, 256, 0)[0], open_datasets(cfg, 256, 0)[0]
+    assert a.train.num_tokens + a.val.num_tokens == 50_000 and a.val.num_tokens == 2_500  # val_fraction 0.05
+    assert (a.train.read(0, a.train.num_tokens) == b.train.read(0, b.train.num_tokens)).all()
+    assert int(a.train.read(0, a.train.num_tokens).max()) < 256 and a.has_documents

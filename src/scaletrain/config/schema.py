@@ -55,16 +55,51 @@ class ModelConfig(Section):
     max_seq_len: int | None = Field(None, gt=0, le=MAX_TOKENS_PER_SEQUENCE)
 
 
+DATA_SOURCES = ("auto", "stdlib", "tokens", "prepared", "megatron", "synthetic")
+
+
+class MixEntry(Section):
+    """One dataset of data.mix given as a section: `[data.mix.web]` path = ..., weight = ..."""
+
+    path: str = Field(min_length=1, description="a prepared dataset folder, a Megatron PREFIX, or a flat token file")
+    weight: float = Field(gt=0.0, description="share of samples, relative to the other datasets' weights")
+    source: Literal["auto", "tokens", "prepared", "megatron"] = Field("auto", description="auto: from the path")
+    token_dtype: Literal["uint8", "uint16", "int32"] = Field("uint16", description="flat token files only")
+
+
 class DataConfig(Section):
-    source: Literal["stdlib", "tokens", "synthetic"] = Field(
-        "stdlib",
-        description="stdlib: this Python's own standard library sources as bytes; "
-        "tokens: a flat file of token ids (path, token_dtype); synthetic: random tokens",
+    source: Literal[DATA_SOURCES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="auto: stdlib without data.path, else recognised from the path (a folder with manifest.json: "
+        "prepared; PREFIX with .bin and .idx: megatron; another file: tokens); stdlib: this Python's own standard "
+        "library sources as bytes; tokens: a flat file of token ids (token_dtype); synthetic: random tokens",
     )
-    path: str | None = Field(None, description="token file for source='tokens'")
-    token_dtype: Literal["uint8", "uint16", "int32"] = "uint16"
+    path: str | None = Field(
+        None, description="prepared dataset folder, Megatron PREFIX (.bin/.idx), or flat token file"
+    )
+    token_dtype: Literal["uint8", "uint16", "int32"] = Field("uint16", description="flat token files: the id type")
+    mix: dict[str, float | MixEntry] = Field(
+        default_factory=dict,
+        description='several datasets by weight instead of data.path: "PATH" = weight, or NAME = {path, weight}',
+    )
     seq_len: int = Field(256, gt=1, le=MAX_TOKENS_PER_SEQUENCE, description="tokens per sample")
-    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="tail share of the stream held out")
+    val_fraction: float = Field(
+        0.05, gt=0.0, lt=0.5, description="tail share held out (a prepared dataset uses its own val split)"
+    )
+    mask_doc_starts: bool = Field(
+        False, description="no loss on the first token of a document packed after another (needs documents)"
+    )
+    prefetch: int = Field(2, ge=0, le=64, description="steps read ahead by a background thread; 0: read in the step")
+    cache_dir: str | None = Field(
+        None,
+        description="sample orders and index arrays; default: .scaletrain-cache beside the data, or "
+        "~/.cache/scaletrain when that folder is read-only",
+    )
+    checksums: Literal["first_use", "always", "sizes"] = Field(
+        "first_use",
+        description="prepared shards: sha256 on a dataset's first use (remembered in the cache), at every start, "
+        "or only sizes (always checked)",
+    )
     max_bytes: int = Field(
         4_000_000, gt=0, le=MAX_STREAM_TOKENS, description="stdlib source: bytes of text read, at most"
     )
@@ -72,9 +107,21 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _path_needed(self) -> DataConfig:
-        if self.source == "tokens" and not self.path:
-            raise ValueError("data.path: required when data.source='tokens'; set data.path=FILE")
+        if self.source in ("tokens", "prepared", "megatron") and not self.path:
+            raise ValueError(f"data.path: required when data.source='{self.source}'; set data.path=PATH")
+        if self.mix:
+            if self.path:
+                raise ValueError("data.mix: set either data.path (one dataset) or data.mix (several), not both")
+            if self.source != "auto":
+                raise ValueError(f"data.source: must stay 'auto' with data.mix (got '{self.source}')")
+            for name, entry in self.mix.items():
+                if isinstance(entry, float) and not entry > 0:
+                    raise ValueError(f"data.mix.{name}: weight must be > 0 (got {entry})")
         return self
+
+    def datasets(self) -> list[tuple[str, MixEntry]]:
+        """(name, entry) of every dataset of data.mix; a bare weight's name is its path."""
+        return [(name, MixEntry(path=name, weight=e) if isinstance(e, float) else e) for name, e in self.mix.items()]
 
 
 class ParallelConfig(Section):

@@ -1,6 +1,19 @@
-"""Token sources and the deterministic, resumable, rank-aware loader."""
+"""Token sources (prepared shards, Megatron .bin/.idx, flat token files, stdlib, synthetic), mixing, and the
+deterministic, resumable, rank-aware loader whose position is one number."""
 
-from scaletrain.data.loader import Batch, DistributedLoader, TokenWindows
-from scaletrain.data.sources import load_tokens, split_stream, stdlib_bytes, stdlib_files
+from scaletrain.data.loader import Batch, DistributedLoader, TokenWindows, build_loaders
+from scaletrain.data.sources import Dataset, open_datasets, split_tail, stdlib_bytes, stdlib_files
+from scaletrain.data.stream import TokenStream
 
-__all__ = ["Batch", "DistributedLoader", "TokenWindows", "load_tokens", "split_stream", "stdlib_bytes", "stdlib_files"]
+__all__ = [
+    "Batch",
+    "Dataset",
+    "DistributedLoader",
+    "TokenStream",
+    "TokenWindows",
+    "build_loaders",
+    "open_datasets",
+    "split_tail",
+    "stdlib_bytes",
+    "stdlib_files",
+]

@@ -1,17 +1,37 @@
 """A rank-aware, deterministic loader of fixed-length token windows whose position is one integer.
 
-Sample i is the window tokens[i·S : i·S + S + 1] (inputs and shifted targets). Each epoch visits every sample once in
-an order drawn from (seed, epoch). Optimizer step k consumes global samples [k·B, (k+1)·B) of that order; data-parallel
-rank r takes its contiguous share of B/D and splits it into micro-batches. Because the position is the count of
-consumed samples, not a per-rank cursor, it means the same thing under any data-parallel degree: a run resumed with
-another world size continues with exactly the samples not yet seen.
+Sample i of a dataset is the window tokens[i·S : i·S + S + 1] (inputs and shifted targets) of its token stream:
+documents are packed back to back, each ending in the EOS its preparation wrote, and a window may span several.
+With mask_doc_starts, a target that is the first token of a new document is set to IGNORE_INDEX, so the model is
+not trained to guess a document's start from the previous one.
+
+Each epoch of a dataset visits every sample once in an order drawn from (seed, epoch), memory-mapped from a file
+built once beside the data (order.py). Several datasets are interleaved by weight (mix.py). Optimizer step k
+consumes global samples [k·B, (k+1)·B); data-parallel rank r takes its contiguous share of B/D, reads only those
+windows, and splits them into micro-batches. Because the position is the count of consumed samples, not a per-rank
+cursor, it means the same thing under any data-parallel degree: a run resumed with another world size continues
+with exactly the samples not yet seen. With prefetch > 0 a background thread reads the next steps' windows while
+the current step computes (reading is a pure function of the position, so prefetched steps never change what a
+step gets).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
+
+from scaletrain.config.schema import DataConfig
+from scaletrain.data.mix import MixSchedule
+from scaletrain.data.order import cached_permutation
+from scaletrain.data.sources import open_datasets
+from scaletrain.data.stream import TokenStream
+from scaletrain.models.loss import IGNORE_INDEX
 
 
 @dataclass
@@ -21,37 +41,67 @@ class Batch:
 
 
 class TokenWindows:
-    """Fixed-length windows over a token stream."""
+    """Fixed-length windows over a token stream (a TokenStream, or a 1-D array/tensor of ids held in memory).
+    cache_dir: where this dataset's sample orders are kept (None: in memory)."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int):
-        self.tokens = tokens
+    def __init__(
+        self,
+        tokens: TokenStream | np.ndarray | torch.Tensor,
+        seq_len: int,
+        mask_doc_starts: bool = False,
+        cache_dir: Path | None = None,
+        name: str = "data",
+    ):
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.numpy()
+        self.stream = tokens if isinstance(tokens, TokenStream) else TokenStream.of(np.asarray(tokens))
         self.seq_len = seq_len
-        self.num_samples = (len(tokens) - 1) // seq_len
+        self.mask_doc_starts = mask_doc_starts
+        self.cache_dir = cache_dir
+        self.name = name
+        self.num_samples = max(0, (self.stream.num_tokens - 1) // seq_len)
 
-    def gather(self, indices: torch.Tensor) -> Batch:
-        starts = indices * self.seq_len
-        offsets = torch.arange(self.seq_len + 1)
-        rows = self.tokens[starts[:, None] + offsets[None, :]]
-        return Batch(rows[:, :-1].contiguous(), rows[:, 1:].contiguous())
+    def rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) of the given samples, each (len(indices), S) int64."""
+        s = self.seq_len
+        rows = np.stack([self.stream.read(i * s, i * s + s + 1) for i in map(int, indices)])
+        targets = rows[:, 1:].copy()
+        if self.mask_doc_starts:
+            for r, i in enumerate(map(int, indices)):
+                starts = self.stream.document_starts(i * s + 1, i * s + s + 1)
+                targets[r, starts - (i * s + 1)] = IGNORE_INDEX
+        return rows[:, :-1], targets
+
+    def gather(self, indices: torch.Tensor | np.ndarray) -> Batch:
+        inputs, targets = self.rows(np.asarray(indices))
+        return Batch(torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(targets))
 
 
 class DistributedLoader:
+    """This data-parallel rank's micro-batches, step after step, from one dataset or several mixed by `weights`."""
+
     def __init__(
         self,
-        windows: TokenWindows,
+        windows: TokenWindows | list[TokenWindows],
         global_batch: int,
         micro_batch: int,
         dp_rank: int,
         dp_size: int,
         seed: int,
         shuffle: bool = True,
+        weights: list[float] | None = None,
+        prefetch: int = 0,
     ):
         if global_batch % (micro_batch * dp_size):
             raise ValueError(
                 f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
                 f"x data-parallel degree {dp_size}"
             )
-        self.windows = windows
+        self.datasets = windows if isinstance(windows, list) else [windows]
+        self.windows = self.datasets[0]
+        self.mix = MixSchedule(weights or [1.0] * len(self.datasets))
+        if len(self.mix.quotas) != len(self.datasets):
+            raise ValueError(f"{len(self.datasets)} datasets but {len(self.mix.quotas)} weights")
         self.global_batch = global_batch
         self.micro_batch = micro_batch
         self.dp_rank = dp_rank
@@ -59,43 +109,78 @@ class DistributedLoader:
         self.seed = seed
         self.shuffle = shuffle
         self.consumed_samples = 0
-        self._order_epoch = -1
-        self._order = torch.empty(0, dtype=torch.int64)
+        self.prefetch = prefetch
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[int, Future]] = deque()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scaletrain-data") if prefetch > 0 else None
 
     @property
     def accumulation_steps(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp_size)
 
-    def _order_for(self, epoch: int) -> torch.Tensor:
-        if epoch != self._order_epoch:
-            n = self.windows.num_samples
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-                self._order = torch.randperm(n, generator=gen)
-            else:
-                self._order = torch.arange(n)
-            self._order_epoch = epoch
-        return self._order
+    def _order(self, k: int, epoch: int) -> np.ndarray:
+        with self._lock:  # the prefetch thread and the step may both ask
+            order = self._orders.get((k, epoch))
+            if order is None:
+                if len(self._orders) > 2 * len(self.datasets):  # keep only recent epochs mapped
+                    self._orders.clear()
+                ds = self.datasets[k]
+                order = self._orders[(k, epoch)] = cached_permutation(ds.cache_dir, ds.num_samples, self.seed, epoch)
+            return order
 
-    def _global_indices(self, start: int, count: int) -> torch.Tensor:
-        n = self.windows.num_samples
+    def sample_ids(self, start: int, count: int) -> list[tuple[int, int]]:
+        """(dataset, sample) of global samples [start, start + count), in order."""
+        which, local = self.mix.locate(np.arange(start, start + count, dtype=np.int64))
         out = []
-        pos = start
-        while count > 0:
-            epoch, offset = divmod(pos, n)
-            take = min(count, n - offset)
-            out.append(self._order_for(epoch)[offset : offset + take])
-            pos += take
-            count -= take
-        return torch.cat(out)
+        for k, j in zip(which.tolist(), local.tolist()):
+            n = self.datasets[k].num_samples
+            epoch, offset = divmod(j, n)
+            out.append((k, int(self._order(k, epoch)[offset]) if self.shuffle else offset))
+        return out
+
+    def _step_at(self, position: int) -> list[Batch]:
+        per_rank = self.global_batch // self.dp_size
+        mine = self.sample_ids(position + self.dp_rank * per_rank, per_rank)
+        batches = []
+        for m in range(0, per_rank, self.micro_batch):
+            chunk = mine[m : m + self.micro_batch]
+            inputs = np.empty((len(chunk), self.windows.seq_len), dtype=np.int64)
+            targets = np.empty_like(inputs)
+            for k in {k for k, _ in chunk}:
+                rows = [r for r, (kk, _) in enumerate(chunk) if kk == k]
+                inputs[rows], targets[rows] = self.datasets[k].rows(np.array([chunk[r][1] for r in rows]))
+            batches.append(Batch(torch.from_numpy(inputs), torch.from_numpy(targets)))
+        return batches
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step."""
-        per_rank = self.global_batch // self.dp_size
-        idx = self._global_indices(self.consumed_samples, self.global_batch)
-        mine = idx[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        position = self.consumed_samples
+        batches = None
+        while self._pending:
+            at, future = self._pending.popleft()
+            if at == position:
+                batches = future.result()
+                break
+            future.cancel()  # the position moved (a resume or an evaluation restart): that read is not wanted
+        if batches is None:
+            self._pending.clear()
+            batches = self._step_at(position)
         self.consumed_samples += self.global_batch
-        return [self.windows.gather(chunk) for chunk in mine.split(self.micro_batch)]
+        if self._pool is not None:
+            ahead = self._pending[-1][0] if self._pending else position
+            while len(self._pending) < self.prefetch:
+                ahead += self.global_batch
+                self._pending.append((ahead, self._pool.submit(self._step_at, ahead)))
+        return batches
+
+    def close(self) -> None:
+        """Stop the prefetch thread (pending reads are dropped)."""
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed}
@@ -103,3 +188,25 @@ class DistributedLoader:
     def load_state_dict(self, state: dict) -> None:
         self.consumed_samples = int(state["consumed_samples"])
         self.seed = int(state["seed"])
+        self._orders.clear()
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+
+
+def build_loaders(
+    cfg: DataConfig, vocab_size: int, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+) -> tuple[DistributedLoader, DistributedLoader]:
+    """(training loader, validation loader) of one data-parallel rank for the job's data section. Ids are not
+    checked here: preflight (checks.py) did that before any rank started."""
+    datasets = open_datasets(cfg, vocab_size, seed)
+    weights = [entry.weight for _, entry in cfg.datasets()] if cfg.mix else None
+    seq, mask = cfg.seq_len, cfg.mask_doc_starts
+    train = [TokenWindows(d.train, seq, mask, d.cache_dir, d.name) for d in datasets]
+    val = [TokenWindows(d.val, seq, mask, None, d.name) for d in datasets]
+    return (
+        DistributedLoader(
+            train, global_batch, micro_batch, dp_rank, dp_size, seed, weights=weights, prefetch=cfg.prefetch
+        ),
+        DistributedLoader(val, global_batch, micro_batch, dp_rank, dp_size, seed, shuffle=False, weights=weights),
+    )

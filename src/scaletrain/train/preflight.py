@@ -6,11 +6,10 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from scaletrain.config.precisions import precision
 from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.config.schema import JobConfig
+from scaletrain.data.checks import check_data, token_id_range  # noqa: F401  (token_id_range: moved there)
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.dims import ParallelDims
@@ -25,65 +24,20 @@ class ResolvedJob:
     accumulation: int
 
 
-TOKEN_SCAN_CHUNK = 1 << 24  # token ids per slice of the memory map: 32-64 MiB resident at a time
-
-
-def token_id_range(path: str | Path, dtype: str) -> tuple[int, int, int, int]:
-    """(smallest id, its index, largest id, its index) of a flat token file, read through a memory map in
-    TOKEN_SCAN_CHUNK slices so memory stays bounded; 100M uint16 tokens take ~0.3 s from the page cache, ~0.9 s
-    from disk (2 shared cores)."""
-    data = np.memmap(path, dtype=np.dtype(dtype), mode="r")
-    lo = hi = (int(data[0]), 0)
-    for start in range(0, len(data), TOKEN_SCAN_CHUNK):
-        part = data[start : start + TOKEN_SCAN_CHUNK]
-        i, j = int(part.argmin()), int(part.argmax())
-        if part[i] < lo[0]:
-            lo = (int(part[i]), start + i)
-        if part[j] > hi[0]:
-            hi = (int(part[j]), start + j)
-    return lo[0], lo[1], hi[0], hi[1]
-
-
-def _stream_tokens(cfg: JobConfig, vocab_size: int) -> int:
-    """Tokens in the configured stream; a token file is also checked to hold only ids the model can embed."""
-    d = cfg.data
-    if d.source == "synthetic":
-        return d.synthetic_tokens
-    if d.source == "tokens":
-        p = Path(d.path or "")
-        if not p.is_file():
-            raise ValueError(f"data.path: {d.path!r} does not exist; point it at a flat file of token ids")
-        size = p.stat().st_size
-        dtype = np.dtype(d.token_dtype)
-        if size % dtype.itemsize:
-            raise ValueError(
-                f"data.path: {d.path!r} has {size} bytes, not a whole number of "
-                f"{d.token_dtype} tokens; check data.token_dtype"
-            )
-        # unsigned ids below the vocabulary by construction need no scan (uint16 with a vocabulary >= 65,536)
-        if size and (dtype.kind != "u" or np.iinfo(dtype).max >= vocab_size):
-            lo, lo_at, hi, hi_at = token_id_range(p, d.token_dtype)
-            if lo < 0:
-                raise ValueError(
-                    f"data.path: token id {lo} at position {lo_at} of {d.path!r} is negative; "
-                    f"check data.token_dtype (the file may hold unsigned ids)"
-                )
-            if hi >= vocab_size:
-                raise ValueError(
-                    f"data.path: token id {hi} at position {hi_at} of {d.path!r} is >= the model's "
-                    f"vocab_size {vocab_size}; check data.token_dtype or set model.vocab_size={hi + 1}"
-                )
-        return size // dtype.itemsize
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    if not stdlib.is_dir():
-        raise ValueError(f"data.source: this Python's stdlib folder {stdlib} is missing; use data.source=synthetic")
-    return d.max_bytes  # the stdlib of any CPython is far larger than the default max_bytes
+def _stream_tokens(cfg: JobConfig, vocab_size: int) -> None:
+    """Every dataset opens, holds only ids the model can embed, passes its size (and checksum) checks and has at
+    least one global batch and a validation sample (data/checks.py)."""
+    if cfg.data.source == "stdlib" or (cfg.data.source == "auto" and not cfg.data.path and not cfg.data.mix):
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        if not stdlib.is_dir():
+            raise ValueError(f"data.source: this Python's stdlib folder {stdlib} is missing; use data.source=synthetic")
+    check_data(cfg.data, vocab_size, cfg.train.global_batch_size, cfg.run.seed)
 
 
 def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     """Check the config against a world size; raise ValueError whose message names the field and the fix."""
     spec = model_spec(cfg.model)
-    if cfg.data.source == "stdlib" and spec.vocab_size < 256:
+    if cfg.data.source in ("stdlib", "auto") and not cfg.data.path and not cfg.data.mix and spec.vocab_size < 256:
         raise ValueError(
             f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {spec.vocab_size}"
         )
@@ -110,13 +64,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     check_layout(cfg, spec, dims)
     if dims.pp > 1:
         micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
-    n_tokens = _stream_tokens(cfg, spec.vocab_size)
-    n_val = max(1, int(n_tokens * cfg.data.val_fraction))
-    if (n_tokens - n_val - 1) // cfg.data.seq_len < gb or (n_val - 1) // cfg.data.seq_len < 1:
-        raise ValueError(
-            f"data: {n_tokens} tokens are too few for a global batch of {gb} x {cfg.data.seq_len} "
-            f"tokens plus a validation split; add data or lower train.global_batch_size"
-        )
+    _stream_tokens(cfg, spec.vocab_size)
     return ResolvedJob(spec=spec, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
 
 

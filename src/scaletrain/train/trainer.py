@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from scaletrain.config.schema import JobConfig
-from scaletrain.data import DistributedLoader, TokenWindows, load_tokens, split_stream
+from scaletrain.data import DistributedLoader
+from scaletrain.data import build_loaders as build_data_loaders
 from scaletrain.models.spec import ModelSpec
 from scaletrain.monitor import log
 from scaletrain.monitor.timing import NULL_TIMER
@@ -66,17 +67,9 @@ def build_loaders(
     cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
 ) -> tuple[DistributedLoader, DistributedLoader]:
     """(training loader, validation loader) of this data-parallel rank. Token ids need no check here: `resolved`
-    comes from resolve_job, which scanned a token file against the vocabulary (stdlib bytes and synthetic ids are
-    in range by construction)."""
-    tokens = load_tokens(cfg.data, resolved.spec.vocab_size, cfg.run.seed)
-    train_tokens, val_tokens = split_stream(tokens, cfg.data.val_fraction)
-    seq, gb, seed = cfg.data.seq_len, cfg.train.global_batch_size, cfg.run.seed
-    return (
-        DistributedLoader(TokenWindows(train_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed),
-        DistributedLoader(
-            TokenWindows(val_tokens, seq), gb, resolved.micro_batch, dp_rank, dp_size, seed, shuffle=False
-        ),
-    )
+    comes from resolve_job, which checked every dataset against the vocabulary."""
+    gb, seed = cfg.train.global_batch_size, cfg.run.seed
+    return build_data_loaders(cfg.data, resolved.spec.vocab_size, seed, gb, resolved.micro_batch, dp_rank, dp_size)
 
 
 @dataclass
