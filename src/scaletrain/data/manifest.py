@@ -117,12 +117,9 @@ class DatasetManifest:
             raise DatasetError(f"{where}: unreadable manifest ({type(e).__name__}: {e}); prepare the data again") from e
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def is_prepared(folder: str | Path) -> bool:
