@@ -72,18 +72,36 @@ def _console():
     return Console(width=width, highlight=False, soft_wrap=False)
 
 
-def _workload(model, params, dims, seq_len, global_batch, gpus):
+def _hf_shape(path: str):
+    """(decoder shape, name) of a Hugging Face folder's architecture; the spec's one-line summary on stderr."""
+    from scaletrain.models.registry import families
+
+    try:
+        spec = families()["hf"].from_folder(path)  # type: ignore[attr-defined]
+    except ValueError as e:
+        fail(str(e).replace("model.hf:", "--hf:", 1))
+    click.echo(f"scaletrain: {spec.describe()}", err=True)
+    return spec.shape(), spec.architecture
+
+
+def _workload(model, params, dims, seq_len, global_batch, gpus, hf_path=None):
     from scaletrain.models import preset_spec, presets
     from scaletrain.plan.layout import Workload
     from scaletrain.plan.shapes import decoder_shape_for_params
 
-    if params is not None:
+    if hf_path is not None:
+        args, name = _hf_shape(hf_path)
+    elif params is not None:
         args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
     else:
         if model not in presets() or preset_spec(model).shape() is None:
             fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
         args, name = preset_spec(model).shape(), model
     changes = {k: v for k, v in dims.items() if v is not None}
+    if changes and hf_path is not None:
+        fail(
+            "--hf: the shape comes from the folder's config.json; drop --dim/--layers/--heads/--kv-heads/--ffn-dim/--vocab"
+        )
     if changes:  # each already within PLAN_RANGES
         args = dataclasses.replace(args, **changes)
         name += "*"
@@ -262,6 +280,9 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.command()
 @click.option("--model", default="llama-8b", show_default=True, help="Built-in preset (see `scaletrain models`).")
 @click.option("--params", "params_text", default=None, help="Custom Llama-shaped size instead, e.g. 70B or 1e12.")
+@click.option(
+    "--hf", "hf_path", default=None, help="Plan a local Hugging Face model folder's architecture (its config.json)."
+)
 @click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
 @click.option("--layers", "n_layers", type=int, default=None)
 @click.option("--heads", "n_heads", type=int, default=None)
@@ -295,6 +316,7 @@ def _print_compare(budgets, tokens, work) -> None:
 def plan(
     model,
     params_text,
+    hf_path,
     dim,
     n_layers,
     n_heads,
@@ -393,6 +415,7 @@ def plan(
             seq_len,
             global_batch,
             cluster.gpus,
+            hf_path,
         )
     except ValueError as e:
         fail(str(e))

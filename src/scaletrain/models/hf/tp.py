@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 
     from scaletrain.models.hf.spec import HFSpec
 
+# what `scaletrain models` says of model.hf (kept next to the rules it summarises)
+HF_SUPPORT = (
+    "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
+    "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
+    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not GPT-2, not MoE); "
+    "no pipeline parallelism yet"
+)
+
 # transformers' plan strings (integrations/tensor_parallel.py) that translate to torch ParallelStyles here
 KNOWN = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 
@@ -52,6 +60,30 @@ def _tied_head(embedding: nn.Module, **kwargs):
             module.weight = embedding.weight
 
     return TiedHead(**kwargs)
+
+
+def _replicated():
+    """Whole parameters as Replicate DTensors, plain tensors in and out: the modules the plan does not split (norms
+    without sequence parallelism), so every parameter is a DTensor (the optimizer's foreach kernels cannot mix)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def inputs(mod, args, mesh):
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            if hasattr(a, "dim") and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    class Replicated(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            return distribute_module(module, device_mesh, None, inputs, outputs)
+
+    return Replicated()
 
 
 def hf_tp_plan(spec: HFSpec, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
@@ -128,4 +160,9 @@ def hf_tp_plan(spec: HFSpec, model: nn.Module, sequence_parallel: bool, loss_par
             plan[names[out]] = ColwiseParallel(
                 input_layouts=act, output_layouts=logits, use_local_output=not loss_parallel
             )
+    planned = tuple(plan)
+    for path, module in model.named_modules():
+        inside = any(path == p or path.startswith(p + ".") for p in planned)
+        if not inside and any(True for _ in module.parameters(recurse=False)):
+            plan[path] = _replicated()
     return plan

@@ -53,6 +53,12 @@ def check_weights(spec: HFSpec, folder: str | Path) -> None:
     expected = {n: tuple(t.shape) for n, t in spec.meta_model.state_dict().items()}
     tied = _tied_key(spec)
     extra = sorted(set(where) - set(expected))
+    if extra and spec.n_experts:
+        raise ValueError(
+            f"model.hf: {where[extra[0]].name} stores experts one by one ({extra[0]!r}) while transformers "
+            f"{spec.architecture} packs them; scaletrain does not convert that layout yet: start it from random "
+            f"weights (a folder with config.json only)"
+        )
     if extra:
         raise ValueError(
             f"model.hf: {where[extra[0]].name} holds {extra[0]!r}, which {spec.architecture} built from config.json "
