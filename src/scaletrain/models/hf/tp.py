@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 if TYPE_CHECKING:
     from torch import nn
 
-    from scaletrain.models.hf.spec import HFSpec
 
 # what `scaletrain models` says of model.hf (kept next to the rules it summarises)
 HF_SUPPORT = (
@@ -31,11 +30,11 @@ HF_SUPPORT = (
 KNOWN = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
 
 
-def base_plan(spec: HFSpec) -> dict[str, str]:
+def base_plan(spec: Any) -> dict[str, str]:
     return dict(getattr(spec.config, "base_model_tp_plan", None) or {})
 
 
-def check_plan(spec: HFSpec, tp: int) -> None:
+def check_plan(spec: Any, tp: int) -> None:
     """ValueError (one line) when tensor parallelism cannot split this model correctly."""
     plan = base_plan(spec)
     if not plan:
@@ -86,7 +85,7 @@ def _replicated():
     return Replicated()
 
 
-def hf_tp_plan(spec: HFSpec, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """{module path: ParallelStyle} for a transformers causal LM."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (

@@ -15,8 +15,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from scaletrain.models.hf.spec import HFSpec
-
 
 def has_weights(folder: str | Path) -> bool:
     return any(Path(folder).glob("*.safetensors"))
@@ -34,7 +32,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     return where
 
 
-def _tied_key(spec: HFSpec) -> str | None:
+def _tied_key(spec: Any) -> str | None:
     """The output layer's weight name when it is tied to the input embedding (files may omit it)."""
     if not spec.tied:
         return None
@@ -43,7 +41,7 @@ def _tied_key(spec: HFSpec) -> str | None:
     return next((n for n, mod in m.named_modules() if mod is out), "lm_head") + ".weight"
 
 
-def check_weights(spec: HFSpec, folder: str | Path) -> None:
+def check_weights(spec: Any, folder: str | Path) -> None:
     """ValueError (one line) when the folder's weights do not fit the model its config.json describes."""
     from safetensors import safe_open
 
@@ -129,7 +127,7 @@ class HFFolderAdapter(HFAdapter):
     """Our state dict and transformers' are the same names (the model is transformers' own); a tied output
     layer is left out on export, as save_pretrained does, and filled from the embedding on import."""
 
-    def __init__(self, spec: HFSpec):
+    def __init__(self, spec: Any):  # an HFSpec (not imported: spec.py imports this module)
         self.spec = spec
 
     def config(self) -> dict:
