@@ -180,6 +180,9 @@ def models() -> None:
             else f"{spec.args}"
         )
         click.echo(f"{name:12s} {spec.num_params() / 1e9:9.3f} B params  {shape}  ({spec.family})")
+    from scaletrain.models.hf.tp import HF_SUPPORT
+
+    click.echo(HF_SUPPORT)
 
 
 main.add_command(plan)

@@ -73,12 +73,26 @@ def _console():
     return Console(width=width, highlight=False, soft_wrap=False)
 
 
-def _workload(model, params, dims, seq_len, global_batch, gpus, shape=None):
+def _hf_shape(path: str):
+    """(decoder shape, name) of a Hugging Face folder's architecture; the spec's one-line summary on stderr."""
+    from scaletrain.models.registry import families
+
+    try:
+        spec = families()["hf"].from_folder(path)  # type: ignore[attr-defined]
+    except ValueError as e:
+        fail(str(e).replace("model.hf:", "--hf:", 1))
+    click.echo(f"scaletrain: {spec.describe()}", err=True)
+    return spec.shape(), spec.architecture
+
+
+def _workload(model, params, dims, seq_len, global_batch, gpus, shape=None, hf_path=None):
     from scaletrain.models import preset_spec, presets
     from scaletrain.plan.layout import Workload
     from scaletrain.plan.shapes import decoder_shape_for_params
 
-    if shape is not None:  # a job config's model
+    if hf_path is not None:
+        args, name = _hf_shape(hf_path)
+    elif shape is not None:  # a job config's model
         args, name = shape, model
     elif params is not None:
         args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
@@ -87,6 +101,10 @@ def _workload(model, params, dims, seq_len, global_batch, gpus, shape=None):
             fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
         args, name = preset_spec(model).shape(), model
     changes = {k: v for k, v in dims.items() if v is not None}
+    if changes and hf_path is not None:
+        fail(
+            "--hf: the shape comes from the folder's config.json; drop --dim/--layers/--heads/--kv-heads/--ffn-dim/--vocab"
+        )
     if changes:  # each already within PLAN_RANGES
         args = dataclasses.replace(args, **changes)
         name += "*"
@@ -277,6 +295,9 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.argument("config_args", nargs=-1, metavar="[CONFIG.toml] [section.key=value ...]")
 @click.option("--model", default="llama-8b", show_default=True, help="Built-in preset (see `scaletrain models`).")
 @click.option("--params", "params_text", default=None, help="Custom Llama-shaped size instead, e.g. 70B or 1e12.")
+@click.option(
+    "--hf", "hf_path", default=None, help="Plan a local Hugging Face model folder's architecture (its config.json)."
+)
 @click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
 @click.option("--layers", "n_layers", type=int, default=None)
 @click.option("--heads", "n_heads", type=int, default=None)
@@ -311,6 +332,7 @@ def plan(
     config_args,
     model,
     params_text,
+    hf_path,
     dim,
     n_layers,
     n_heads,
@@ -427,6 +449,7 @@ def plan(
             global_batch,
             cluster.gpus,
             shape,
+            hf_path,
         )
     except ValueError as e:
         fail(str(e))

@@ -46,6 +46,11 @@ class RunConfig(Section):
 
 class ModelConfig(Section):
     name: str = Field("tiny", description="built-in preset: see `scaletrain models`")
+    hf: str | None = Field(
+        None,
+        description="local Hugging Face model folder (config.json, optional *.safetensors weights to start from): "
+        "trains transformers' own model of that architecture instead of the preset",
+    )
     dim: int | None = Field(None, gt=0, le=MAX_MODEL_DIM, description="override the preset's hidden size")
     n_layers: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
     n_heads: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
@@ -266,8 +271,8 @@ class CheckpointConfig(Section):
     dir: str | None = Field(None, description="where checkpoints go; default: the run folder's checkpoints/")
     init_from_hf: str | None = Field(
         None,
-        description="folder of a Hugging Face Llama checkpoint (safetensors) to start from; a resumable "
-        "checkpoint of this run takes precedence",
+        description="folder of a Hugging Face Llama checkpoint (safetensors) to start the built-in Llama from; a "
+        "resumable checkpoint of this run takes precedence. Other architectures: model.hf",
     )
 
 

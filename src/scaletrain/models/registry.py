@@ -82,10 +82,16 @@ def preset_spec(name: str) -> ModelSpec:
 
 
 def model_spec(cfg) -> ModelSpec:
-    """The spec for a job's `model` section: the preset named by cfg.name with cfg's shape overrides applied;
-    ValueError names the bad field."""
+    """The spec for a job's `model` section: the Hugging Face folder cfg.hf (the `hf` family), else the preset
+    named by cfg.name with cfg's shape overrides applied; ValueError names the bad field."""
+    overrides = {k: v for k, v in cfg.model_dump().items() if k not in ("name", "hf") and v is not None}
+    if getattr(cfg, "hf", None):
+        hf = families()["hf"]
+        if overrides:
+            key = sorted(overrides)[0]
+            raise ValueError(f"model.{key}: the shape comes from model.hf's config.json; remove model.{key}")
+        return hf.from_folder(cfg.hf)  # type: ignore[attr-defined]
     base = preset_spec(cfg.name)
-    overrides = {k: v for k, v in cfg.model_dump().items() if k != "name" and v is not None}
     return type(base).from_overrides(base.args, overrides)
 
 

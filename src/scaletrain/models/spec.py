@@ -155,6 +155,9 @@ class ModelSpec(ABC):
 
         return layer_costs(self._shape(), seq_len)
 
+    def check_pp(self, pp: int) -> None:
+        """ValueError (one line) when this family cannot be cut into pipeline stages."""
+
     # -- tensor parallelism ---------------------------------------------------------------------------------
     def check_tp(self, tp: int) -> None:
         """ValueError (one line) when `tp` cannot split this model's heads or matmuls."""

@@ -51,6 +51,8 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
             f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
             f"Hugging Face model folder with *.safetensors and config.json"
         )
+    if cfg.checkpoint.init_from_hf:
+        check_hf_init(Path(cfg.checkpoint.init_from_hf), spec)
     dims = ParallelDims.resolve(cfg.parallel, world_size)
     gb = cfg.train.global_batch_size
     if gb % dims.dp:
@@ -66,6 +68,25 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
         micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
     _stream_tokens(cfg, spec.vocab_size)
     return ResolvedJob(spec=spec, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
+
+
+def check_hf_init(folder: Path, spec: ModelSpec) -> None:
+    """checkpoint.init_from_hf refused before launch (one line) when the folder's model is not the configured one:
+    another architecture, shape, vocabulary or rotary setting."""
+    import json
+
+    if spec.hf is None:
+        raise ValueError(f"checkpoint.init_from_hf: the {spec.family} model family has no Hugging Face counterpart")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"checkpoint.init_from_hf: no *.safetensors in {str(folder)!r}")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"checkpoint.init_from_hf: {str(folder)!r} has no config.json to check the model against")
+    try:
+        hf_config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"checkpoint.init_from_hf: {cfg_path} is not valid JSON ({e})") from None
+    spec.hf.check_config(hf_config)
 
 
 def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
@@ -89,6 +110,7 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
                 "parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards only the linears)"
             )
     if dims.pp > 1:
+        spec.check_pp(dims.pp)
         stages = dims.pp * p.stages_per_rank
         if stages > spec.n_blocks:
             raise ValueError(

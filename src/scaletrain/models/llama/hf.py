@@ -49,6 +49,7 @@ def _from_hf_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def args_from_hf_config(cfg: dict) -> LlamaArgs:
     rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    # transformers' LlamaConfig defaults (configuration_llama.py) where config.json leaves a field out
     return LlamaArgs(
         dim=cfg["hidden_size"],
         n_layers=cfg["num_hidden_layers"],
@@ -58,7 +59,7 @@ def args_from_hf_config(cfg: dict) -> LlamaArgs:
         vocab_size=cfg["vocab_size"],
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         rope_theta=float(rope),
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
     )
 
 
@@ -113,12 +114,31 @@ class LlamaHF(HFAdapter):
         return out
 
     def check_config(self, hf_config: dict) -> None:
-        theirs = args_from_hf_config(hf_config)
-        mine = dataclasses.replace(
-            self.args, max_seq_len=theirs.max_seq_len, rope_theta=theirs.rope_theta, norm_eps=theirs.norm_eps
-        )
-        if theirs != mine:
+        """Refuses (one line) a folder the built-in Llama cannot reproduce exactly: another architecture, biases,
+        tied embeddings, rotary scaling, another shape, rope_theta or norm epsilon; model.hf=PATH trains
+        transformers' own model of any of them instead."""
+        fix = "train it as model.hf=FOLDER (transformers' own model) instead"
+        kind = hf_config.get("model_type")
+        if kind != "llama":
+            raise ValueError(f"checkpoint.init_from_hf: the folder holds a {kind!r} model, not Llama; {fix}")
+        for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            if hf_config.get(flag):
+                raise ValueError(
+                    f"checkpoint.init_from_hf: the folder's config.json sets {flag}, which the built-in Llama lacks; {fix}"
+                )
+        rope = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(
-                f"checkpoint.init_from_hf: the folder's config.json describes {theirs}, the model "
-                f"config is {self.args}; set model.* to match"
+                f"checkpoint.init_from_hf: the folder uses {rope.get('rope_type')!r} rotary scaling, which the built-in Llama lacks; {fix}"
+            )
+        theirs = args_from_hf_config(hf_config)
+        mine = dataclasses.replace(self.args, max_seq_len=theirs.max_seq_len)
+        if theirs != mine:
+            diff = [
+                f"{f.name}={getattr(theirs, f.name)} (model: {getattr(mine, f.name)})"
+                for f in dataclasses.fields(theirs)
+                if getattr(theirs, f.name) != getattr(mine, f.name)
+            ]
+            raise ValueError(
+                f"checkpoint.init_from_hf: the folder's config.json has {', '.join(diff)}; set model.* to match, or {fix}"
             )

@@ -1,0 +1,167 @@
+"""Tensor (+ sequence) parallelism for transformers' models, from the model's own `base_model_tp_plan`: its
+strings translated to torch's ParallelStyles. Models without a plan (GPT-2: fused c_attn in Conv1D layout, which a
+column split would mix across q/k/v) and plan entries with no torch counterpart here (packed MoE experts) are
+refused before launch, never split wrongly.
+
+The embedding is split along the hidden dim and gathered whole: transformers computes the causal mask, position
+ids and rotary tables from its output's length at model level, so the residual stream enters the first layer whole
+and, with sequence parallelism, is cut into sequence shards there (norms and residual adds on shards, an
+all-gather before attention and MLP, a reduce-scatter after). A tied output layer reuses the embedding's DTensor
+(hidden-dim shards): it runs row-wise, its partial logits summed (or reduce-scattered over the vocabulary under
+loss parallelism)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+# what `scaletrain models` says of model.hf (kept next to the rules it summarises)
+HF_SUPPORT = (
+    "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
+    "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
+    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not GPT-2, not MoE); "
+    "no pipeline parallelism yet"
+)
+
+# transformers' plan strings (integrations/tensor_parallel.py) that translate to torch ParallelStyles here
+KNOWN = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce")
+
+
+def base_plan(spec: Any) -> dict[str, str]:
+    return dict(getattr(spec.config, "base_model_tp_plan", None) or {})
+
+
+def check_plan(spec: Any, tp: int) -> None:
+    """ValueError (one line) when tensor parallelism cannot split this model correctly."""
+    plan = base_plan(spec)
+    if not plan:
+        raise ValueError(
+            f"parallel.tp: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
+            f"and fused or non-Linear projections cannot be split safely by structure; use parallel.tp=1"
+        )
+    for key, style in plan.items():
+        if style not in KNOWN:
+            raise ValueError(
+                f"parallel.tp: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
+                f"translate (mixture-of-experts layers run under FSDP only); use parallel.tp=1"
+            )
+
+
+def _tied_head(embedding: nn.Module, **kwargs):
+    """A row-wise output layer whose weight is the (already distributed) embedding's: one parameter, still tied."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class TiedHead(RowwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            module.weight = embedding.weight
+
+    return TiedHead(**kwargs)
+
+
+def _replicated():
+    """Whole parameters as Replicate DTensors, plain tensors in and out: the modules the plan does not split (norms
+    without sequence parallelism), so every parameter is a DTensor (the optimizer's foreach kernels cannot mix)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def inputs(mod, args, mesh):
+        return tuple(
+            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+            if hasattr(a, "dim") and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(mod, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    class Replicated(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            return distribute_module(module, device_mesh, None, inputs, outputs)
+
+    return Replicated()
+
+
+def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+    """{module path: ParallelStyle} for a transformers causal LM."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sp = sequence_parallel
+    act = Shard(1) if sp else Replicate()
+    m = cast(Any, model)
+    names = {mod: n for n, mod in model.named_modules()}
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(output_layouts=act),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        # q/k norms over the head dim (Qwen3): whole weights, inputs sharded by head, gradients summed
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+    }
+    plan: dict = {}
+    emb = m.get_input_embeddings()
+    plan[names[emb]] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    container = spec.blocks(model)
+    cpath = names[container]
+    layer_attr = cpath.rsplit(".", 1)[-1]
+    for i, (key, layer) in enumerate(container.named_children()):
+        lpath = f"{cpath}.{key}"
+        for pattern, style in base_plan(spec).items():
+            head, _, rest = pattern.partition(".*.")
+            if head != layer_attr:
+                continue
+            path = f"{lpath}.{rest}"
+            try:
+                model.get_submodule(path)
+            except AttributeError:
+                continue  # e.g. dense MLP names on a MoE layer
+            plan[path] = styles[style]()
+        if sp:
+            first = i == 0 and key == "0"
+            plan[lpath] = PrepareModuleInput(
+                input_layouts=(Replicate() if first else Shard(1),),
+                desired_input_layouts=(Shard(1),),
+                use_local_output=True,
+            )
+            for child_name, child in layer.named_children():
+                if "Norm" in type(child).__name__:
+                    plan[f"{lpath}.{child_name}"] = SequenceParallel(use_local_output=True)
+            plan[f"{lpath}.self_attn"] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            )
+            plan[f"{lpath}.mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    out = m.get_output_embeddings()
+    if out is not None:
+        if sp:  # the final norm: a Norm child of the module holding the layers, on sequence shards
+            parent_path = cpath.rsplit(".", 1)[0] if "." in cpath else ""
+            for child_name, child in model.get_submodule(parent_path).named_children():
+                if "Norm" in type(child).__name__:
+                    plan[f"{parent_path}.{child_name}".lstrip(".")] = SequenceParallel(use_local_output=True)
+        logits = Shard(-1) if loss_parallel else Replicate()
+        if spec.tied:
+            plan[names[out]] = _tied_head(
+                emb, input_layouts=act, output_layouts=logits, use_local_output=not loss_parallel
+            )
+        else:
+            plan[names[out]] = ColwiseParallel(
+                input_layouts=act, output_layouts=logits, use_local_output=not loss_parallel
+            )
+    planned = tuple(plan)
+    for path, module in model.named_modules():
+        inside = any(path == p or path.startswith(p + ".") for p in planned)
+        if not inside and any(True for _ in module.parameters(recurse=False)):
+            plan[path] = _replicated()
+    return plan

@@ -1,0 +1,213 @@
+"""Hugging Face models through the normal trainer (`model.hf=FOLDER`): for each family, built from a tiny random
+config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) give the per-step
+losses of one process over 5 steps; the first loss equals transformers' own forward on the saved weights; an
+exported checkpoint loads with from_pretrained and gives the same logits; bad folders and layouts are one line
+before launch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, run_cli
+from test_parallel_layouts import launch_runner, runner_losses
+
+TOL = 1e-5
+SMALL = dict(vocab_size=256, max_position_embeddings=128)
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+FAMILIES: dict[str, dict] = {
+    "llama": dict(model_type="llama", **DECODER, tie_word_embeddings=False),
+    "qwen3": dict(model_type="qwen3", **DECODER, head_dim=16, tie_word_embeddings=True),  # q/k norms, tied
+    "mistral": dict(model_type="mistral", **DECODER, sliding_window=16, tie_word_embeddings=False),  # < seq_len
+    # soft-capped attention and logits, sliding window, 1-centred norms, scaled embedding, tied
+    "gemma2": dict(model_type="gemma2", **DECODER, head_dim=16, sliding_window=16, tie_word_embeddings=True),
+    "phi3": dict(model_type="phi3", **DECODER, pad_token_id=None, tie_word_embeddings=False),  # fused qkv_proj
+    # Conv1D layout, fused c_attn, biases, learned positions, tied; dropout off so layouts can be compared
+    "gpt2": dict(
+        model_type="gpt2",
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        **DECODER,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        tie_word_embeddings=False,
+    ),
+}
+NO_TP = ("gpt2", "qwen3_moe")  # refused in one line (test_bad_input_is_one_line_before_launch)
+STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
+LAYOUTS = {
+    "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp2": [],
+    "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
+    "tp2sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
+}
+
+
+NO_WEIGHTS = ("qwen3_moe",)  # transformers saves experts one by one; scaletrain starts it from random weights
+
+
+def save_hf_folder(out: Path, fields: dict, seed: int = 0, weights: bool = True) -> Path:
+    """A random model of that config, saved as transformers saves it (config.json + model.safetensors), or only
+    its config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(fields)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **{**SMALL, **fields})
+    torch.manual_seed(seed)
+    if weights:
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    else:
+        cfg.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: save_hf_folder(root / name, f, weights=name not in NO_WEIGHTS) for name, f in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(folders, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf_runs")
+    single = {f"{n}_single": [*STEPS, f"model.hf={p}", "parallel.dp_shard=1"] for n, p in folders.items()}
+    launch_runner(1, single, out)
+    jobs = {
+        f"{n}_{layout}": [*STEPS, f"model.hf={p}", *extra]
+        for n, p in folders.items()
+        for layout, extra in LAYOUTS.items()
+        if not (n in NO_TP and layout.startswith("tp"))
+    }
+    launch_runner(2, jobs, out)
+    return out
+
+
+def _cases() -> list[tuple[str, str]]:
+    return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not (n in NO_TP and lay.startswith("tp"))]
+
+
+@pytest.mark.parametrize(("family", "layout"), _cases())
+def test_every_layout_trains_a_hf_family_with_the_losses_of_one_process(runs, family, layout):
+    ref, got = runner_losses(runs / f"{family}_single"), runner_losses(runs / f"{family}_{layout}")
+    assert len(ref) == len(got) == 5 and ref[-1] < ref[0]  # it learns
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        assert abs(a - b) <= TOL, f"{family} {layout} step {step}: {b} vs single-process {a}"
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_WEIGHTS])
+def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, family):
+    """Step 1's loss is computed before any update: transformers' from_pretrained model on the same batch."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.config import load_config
+    from scaletrain.train.preflight import resolve_job
+    from scaletrain.train.trainer import build_loaders
+
+    cfg = load_config(None, [*FAST, *STEPS, f"model.hf={folders[family]}", "parallel.dp_shard=1"])
+    loader, _ = build_loaders(cfg, resolve_job(cfg, 1), 0, 1)
+    batch = loader.next_step()
+    inputs, targets = torch.cat([b.inputs for b in batch]), torch.cat([b.targets for b in batch])
+    model = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    theirs = F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    ours = runner_losses(runs / f"{family}_single")[0]
+    assert abs(ours - theirs) <= TOL, f"{family}: first loss {ours}, transformers' forward {theirs}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(folders, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    run_cli(
+        ["train", *FAST, *STEPS, f"model.hf={folders[family]}", "run.name=hf", "checkpoint.save_final=true"]
+        + ["--nproc-per-node", "1"],
+        tmp_path,
+    )
+    ckpt = tmp_path / "runs/hf/checkpoints/step_00000005"
+    run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "out")], tmp_path)
+    state, spec = load_full_model_state(ckpt)
+    ours = spec.build("cpu")
+    ours.load_state_dict(state)
+    spec.tie(ours)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(folders[family], dtype=torch.float32)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    ours.eval(), theirs.eval(), start.eval()
+    with torch.no_grad():
+        a, b, before = ours(x), theirs(input_ids=x).logits, start(input_ids=x).logits
+    assert (a - b).abs().max().item() <= TOL
+    assert (a - before).abs().max().item() > 1e-3  # the export holds the trained weights, not the starting ones
+
+
+def _refusal(overrides: list[str], world: int = 2) -> str:
+    from scaletrain.config import load_config
+    from scaletrain.train.preflight import resolve_job
+
+    with pytest.raises(ValueError) as e:
+        resolve_job(load_config(None, [*FAST, *overrides]), world)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_input_is_one_line_before_launch(folders, tmp_path):
+    # CLI: exit 2, one line, nothing started
+    proc = run_cli(["train", f"model.hf={tmp_path}", "--nproc-per-node", "2"], tmp_path, check=False)
+    assert proc.returncode == 2 and "has no config.json" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+    # in-process: the same checks resolve_job runs before any rank starts
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    assert "is not known to transformers" in _refusal([f"model.hf={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    assert "is not a causal language model" in _refusal([f"model.hf={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 256}))
+    assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])
+    for family in NO_TP:
+        assert "use parallel.tp=1" in _refusal([f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1"])
+    three = save_hf_folder(tmp_path / "kv3", {**FAMILIES["llama"], "num_key_value_heads": 1})
+    assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
+        [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
+    )
+    moe = save_hf_folder(tmp_path / "moe", FAMILIES["qwen3_moe"])
+    assert "scaletrain does not convert that layout yet" in _refusal([f"model.hf={moe}"])
+    assert "the shape comes from model.hf" in _refusal([f"model.hf={folders['llama']}", "model.dim=32"])
+    # weights whose shapes do not match config.json
+    wrong = save_hf_folder(tmp_path / "wrong", FAMILIES["llama"])
+    cfg = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    assert "config.json makes it [64, 96]; the weights and config.json describe different models" in _refusal(
+        [f"model.hf={wrong}"]
+    )
+
+
+def test_init_from_hf_refuses_what_the_built_in_llama_would_load_wrongly(folders, tmp_path):
+    """The defects of issue 14: each was a different model loaded silently, or a traceback after launch."""
+    llama = {**FAMILIES["llama"], "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4}
+    rope = save_hf_folder(tmp_path / "rope", {**llama, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert "rope_theta=500000.0 (model: 10000.0)" in _refusal([f"checkpoint.init_from_hf={rope}"])
+    tied = save_hf_folder(tmp_path / "tied", {**llama, "tie_word_embeddings": True})
+    assert "sets tie_word_embeddings" in _refusal([f"checkpoint.init_from_hf={tied}"])
+    vocab = save_hf_folder(tmp_path / "vocab", {**llama, "vocab_size": 512, "rms_norm_eps": 1e-5})
+    assert "vocab_size=512 (model: 256)" in _refusal([f"checkpoint.init_from_hf={vocab}"])
+    qwen2 = save_hf_folder(tmp_path / "qwen2", {**llama, "model_type": "qwen2"})
+    assert "holds a 'qwen2' model, not Llama" in _refusal([f"checkpoint.init_from_hf={qwen2}"])
+    assert "holds a 'gpt2' model" in _refusal([f"checkpoint.init_from_hf={folders['gpt2']}"])
+    # each names the way that does load them exactly
+    assert "model.hf=FOLDER" in _refusal([f"checkpoint.init_from_hf={rope}"])
