@@ -146,3 +146,30 @@ def test_loader_position_means_the_same_under_any_world_size():
     assert first + rest == whole
     with pytest.raises(ValueError, match="^global_batch_size: 6 is not a positive multiple of the 4"):
         ResumableLoader(data, 6, 0, 4)
+
+
+def _steps(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", stdout, re.M)}
+
+
+def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
+    """examples/hf_causal_lm.py: a HF Llama with a user TP plan on 2 ranks (tp=2) saves at step 5 and stops; the
+    run resumed on 4 ranks (FSDP 2 x TP 2) continues loss for loss like one uninterrupted plain-python process."""
+    script = ROOT / "examples" / "hf_causal_lm.py"
+    whole = _steps(_launch(script, [], 1).stdout)
+    assert sorted(whole) == list(range(1, 11)) and whole[10] < whole[1]
+    ckpt = str(tmp_path / "ckpt")
+    first = _launch(script, ["--tp", "2", "--ckpt", ckpt, "--stop-at", "5"], 2)
+    assert "layout tp=2" in first.stdout
+    second = _launch(script, ["--tp", "2", "--ckpt", ckpt], 4, timeout=600)
+    assert "layout fsdp (dp_shard=2 x tp=2)" in second.stdout and "resumed at step 5 on 4 ranks" in second.stdout
+    got = {**_steps(first.stdout), **_steps(second.stdout)}
+    assert sorted(got) == list(range(1, 11))
+    assert _close([got[s] for s in range(1, 11)], [whole[s] for s in range(1, 11)]), (got, whole)
+
+
+def test_vision_example_fsdp_bf16_with_batchnorm():
+    proc = _launch(ROOT / "examples" / "vision_bf16.py", [], 2)
+    assert "layout fsdp (dp_shard=2)" in proc.stdout
+    got = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
+    assert len(got) == 4 and got[-1] < got[0] / 2
