@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import scaletrain
+from scaletrain.models.registry import preset_spec
 from scaletrain.parallel import full_state_dict
 
 STEPS = 3
@@ -39,6 +39,17 @@ def hf_llama(tied: bool) -> nn.Module:
         tie_word_embeddings=tied,
     )
     return LlamaForCausalLM(cfg)
+
+
+SPEC = preset_spec("tiny")
+
+
+def builtin_llama() -> nn.Module:
+    """scaletrain's own Llama (preset tiny): its spec gives setup() the TP plan and the blocks."""
+    model = SPEC.build("meta")
+    model.to_empty(device="cpu")
+    SPEC.init_weights(model, seed=0)
+    return model
 
 
 class TiedSequential(nn.Module):
@@ -112,12 +123,12 @@ def cls_loss(model, batch):
 
 
 def run_case(name, build, make_batch, loss_fn, out: Path, **setup_kw):
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # setup() below joins the group
     torch.manual_seed(0)
     model = build()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     job = scaletrain.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), data_parallel="fsdp", **setup_kw)
+    rank, world = job.dp_rank, job.dp_size
     units = sum(isinstance(m, FSDPModule) for m in job.model.modules())
     gen = torch.Generator().manual_seed(1)
     losses, ref_losses = [], []
@@ -129,8 +140,8 @@ def run_case(name, build, make_batch, loss_fn, out: Path, **setup_kw):
         job.backward(loss)
         job.step()
         mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        dist.all_reduce(mean)  # tensor-parallel ranks hold the same loss
+        losses.append(mean.item() / job.world_size)
         ref_loss = loss_fn(ref, batch)
         ref_loss.backward()
         ref_opt.step()
@@ -143,7 +154,8 @@ def run_case(name, build, make_batch, loss_fn, out: Path, **setup_kw):
             torch.save(state, out / "hf_state.pt")
             (out / "saved_at.txt").write_text(str(saved))
     dist.barrier()
-    return {"losses": losses, "ref": ref_losses, "units": units}
+    dtensors = sum(hasattr(p, "device_mesh") for p in job.model.parameters())
+    return {"losses": losses, "ref": ref_losses, "units": units, "dtensors": dtensors}
 
 
 def main() -> None:
@@ -181,6 +193,7 @@ def main() -> None:
             precision="bf16",
         ),
     }
+    results["builtin_llama_tp"] = run_case("builtin_llama_tp", builtin_llama, tokens, lm_loss, out, tp=2, spec=SPEC)
     if dist.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 

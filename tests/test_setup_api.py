@@ -63,16 +63,17 @@ def test_fsdp_on_models_users_bring(tmp_path):
     layer), tied embeddings with the tied module named as a unit, a predicate, a tied model without a ModuleList,
     a ViT whose layers are bare ModuleLists and a BatchNorm CNN in bf16: every one trains, and (all but the
     BatchNorm one, whose statistics are per rank) loss for loss like the same model in one plain-torch process.
-    Then a job.save() checkpoint of it goes through `ckpt ls` and `ckpt export` like the trainer's."""
+    scaletrain's own Llama with tp=2 takes its TP plan from its spec. Then a job.save() checkpoint of it goes through `ckpt ls` and `ckpt export` like the trainer's."""
     _launch(ROOT / "tests" / "setup_runner.py", [str(tmp_path)], 2, timeout=600)
     res = json.loads((tmp_path / "results.json").read_text())
-    for name in ("hf_llama", "hf_llama_tied_named", "hf_llama_predicate", "tied_sequential", "vit"):
+    for name in ("hf_llama", "hf_llama_tied_named", "hf_llama_predicate", "tied_sequential", "vit", "builtin_llama_tp"):
         assert _close(res[name]["losses"], res[name]["ref"]), (name, res[name])
     assert res["hf_llama"]["units"] == 3 + 1  # each decoder layer, and the root
     assert res["hf_llama_predicate"]["units"] == 3 + 1  # each layer's mlp, and the root
     assert res["hf_llama_tied_named"]["units"] == 3 + 1  # the tied embedding stays with the root's lm_head
     assert res["tied_sequential"]["units"] == 1 + 1  # body; embed and head share a weight: the root
     assert res["vit"]["units"] == 2 * 3 + 1  # attention and feed-forward of a layer: one group per layer
+    assert res["builtin_llama_tp"]["units"] == 0 and res["builtin_llama_tp"]["dtensors"] > 0  # TP only (dp=1)
     cnn = res["cnn_bf16"]
     assert all(torch.isfinite(torch.tensor(cnn["losses"]))) and cnn["losses"][-1] < cnn["losses"][0]
     assert _close(cnn["losses"], cnn["ref"], tol=2e-2)  # bf16 compute, per-rank BatchNorm statistics

@@ -125,7 +125,7 @@ def setup(
     names = {id(p): n for n, p in model.named_parameters()}
     styles = _tp_styles(model, tp, tp_plan, spec)
     laid_out = apply_parallelism(
-        model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision), shard=shard, tp_styles=styles
+        model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision), spec, shard=shard, tp_styles=styles
     )
     if any(id(p) not in names for p in laid_out.module.parameters()):
         optimizer = rebind_optimizer(optimizer, names, laid_out.module)
