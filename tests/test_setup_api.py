@@ -109,6 +109,17 @@ def test_hsdp_without_a_shard_group_is_refused():
     assert (cfg.dp_replicate, cfg.dp_shard, cfg.tp) == (1, 2, 2)
 
 
+def test_tp_plan_errors_are_one_line():
+    from scaletrain.api import _tp_styles
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="^tp_plan: given but tp=1"):
+        _tp_styles(model, 1, {"x": None}, None)
+    with pytest.raises(ValueError, match="^tp_plan: give a non-empty"):
+        _tp_styles(model, 2, lambda m: [], None)
+    assert _tp_styles(model, 1, None, None) is None
+
+
 def test_shard_rule_errors_are_one_line():
     from scaletrain.parallel.blocks import fsdp_units
 

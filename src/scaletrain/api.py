@@ -3,7 +3,8 @@ device, the data-parallel wrapping and the step mechanics (autocast, accumulatio
 
     import scaletrain
     job = scaletrain.setup(model, optimizer, data_parallel="fsdp", precision="bf16", grad_clip=1.0)
-    for inputs, targets in my_loader:            # each rank feeds its own share of the data
+    loader = job.loader(dataset, global_batch_size=64)   # or your own loader: each rank feeds its own share
+    for inputs, targets in loader:
         with job.autocast():
             loss = loss_fn(job.model(inputs.to(job.device)), targets.to(job.device))
         job.backward(loss)
@@ -74,6 +75,8 @@ def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpe
     """The {module path pattern: ParallelStyle} plan: the user's (a dict, or a callable(model) -> dict), else the
     spec's when scaletrain knows the model, else one found by structure (attention and MLP linears)."""
     if tp == 1:
+        if tp_plan is not None:
+            raise ValueError("tp_plan: given but tp=1; set tp= to the tensor-parallel degree, or drop tp_plan")
         return None
     if tp_plan is not None:
         plan = tp_plan(model) if callable(tp_plan) else tp_plan
