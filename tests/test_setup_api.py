@@ -113,11 +113,9 @@ def test_tp_plan_errors_are_one_line():
     from scaletrain.api import _tp_styles
 
     model = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="^tp_plan: given but tp=1"):
-        _tp_styles(model, 1, {"x": None}, None)
     with pytest.raises(ValueError, match="^tp_plan: give a non-empty"):
         _tp_styles(model, 2, lambda m: [], None)
-    assert _tp_styles(model, 1, None, None) is None
+    assert _tp_styles(model, 1, {"x": None}, None) is None  # nothing to split at tp=1
 
 
 def test_shard_rule_errors_are_one_line():

@@ -74,9 +74,7 @@ def _parallel_config(
 def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpec | None) -> dict | None:
     """The {module path pattern: ParallelStyle} plan: the user's (a dict, or a callable(model) -> dict), else the
     spec's when scaletrain knows the model, else one found by structure (attention and MLP linears)."""
-    if tp == 1:
-        if tp_plan is not None:
-            raise ValueError("tp_plan: given but tp=1; set tp= to the tensor-parallel degree, or drop tp_plan")
+    if tp == 1:  # a plan with tp=1 splits nothing: one script can pass its plan and vary tp
         return None
     if tp_plan is not None:
         plan = tp_plan(model) if callable(tp_plan) else tp_plan
