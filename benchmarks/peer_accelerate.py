@@ -9,7 +9,7 @@ needs mpirun.)
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, model_on
+from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, logits_of, model_on
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     clock = WindowClock(a.log_every)
     for step in range(1, a.steps + 1):
         (batch,) = loader.next_step()
-        logits = model(batch.inputs.to(accelerator.device))
+        logits = logits_of(model, batch.inputs.to(accelerator.device))
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.to(accelerator.device).flatten())
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)

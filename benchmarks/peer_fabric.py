@@ -10,7 +10,7 @@ import os
 import torch.nn.functional as F
 from lightning_fabric import Fabric
 
-from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, model_on
+from same_job import WindowClock, adamw, job_args, leave_process_group, loader_for, logits_of, model_on
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     clock = WindowClock(a.log_every)
     for step in range(1, a.steps + 1):
         (batch,) = loader.next_step()
-        logits = model(batch.inputs.to(fabric.device))
+        logits = logits_of(model, batch.inputs.to(fabric.device))
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.to(fabric.device).flatten())
         fabric.backward(loss)
         fabric.clip_gradients(model, opt, max_norm=1.0)

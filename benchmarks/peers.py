@@ -45,6 +45,12 @@ RUNNERS = {
     "fabric-ddp": ("ddp", "benchmarks/peer_fabric.py under `fabric run`"),
     "scaletrain-fsdp": ("fsdp", "`scaletrain train` parallel.dp_shard=N"),
     "torch-fsdp2": ("fsdp", "benchmarks/plain_fsdp.py under torchrun"),
+    # the same job on a transformers LlamaForCausalLM of the preset's shape (same_job.py --hf); on CPU ranks
+    # Accelerate's FSDP falls back to no distribution at all and Fabric's FSDP refuses anything but GPUs: both DDP
+    "scaletrain-hf-fsdp": ("hf-fsdp", "benchmarks/setup_hf.py (scaletrain.setup, FSDP2) under torchrun"),
+    "scaletrain-hf-ddp": ("hf-ddp", "benchmarks/setup_hf.py --ddp (scaletrain.setup, DDP) under torchrun"),
+    "accelerate-hf-ddp": ("hf-ddp", "benchmarks/peer_accelerate.py --hf under `accelerate launch`"),
+    "fabric-hf-ddp": ("hf-ddp", "benchmarks/peer_fabric.py --hf under `fabric run`"),
 }
 GPU_RUNNERS = ["scaletrain-fsdp", "torch-fsdp2"]
 TEARDOWN_GRACE_S = 20.0
@@ -64,7 +70,7 @@ def tool(name: str) -> str:
     return str(here) if here.exists() else (shutil.which(name) or name)
 
 
-def job_flags(a) -> list[str]:
+def job_flags(a, hf: bool = False) -> list[str]:
     flags = [
         "--model",
         a.model,
@@ -83,11 +89,12 @@ def job_flags(a) -> list[str]:
         "--dtype",
         a.dtype,
     ]
-    return flags + (["--compile"] if a.compile else [])
+    return flags + (["--compile"] if a.compile else []) + (["--hf"] if hf else [])
 
 
 def command(name: str, a) -> list[str]:
     n = str(a.nproc)
+    hf = "-hf-" in name
     torchrun = [
         sys.executable,
         "-m",
@@ -99,7 +106,7 @@ def command(name: str, a) -> list[str]:
         "--rdzv-endpoint",
         "127.0.0.1:0",
     ]
-    if name.startswith("scaletrain"):
+    if name in ("scaletrain-ddp", "scaletrain-fsdp"):
         layout = (
             [f"parallel.dp_replicate={n}", "parallel.dp_shard=1"]
             if name.endswith("ddp")
@@ -130,7 +137,9 @@ def command(name: str, a) -> list[str]:
         return [*torchrun, str(HERE / "plain_ddp.py"), *job_flags(a)]
     if name == "torch-fsdp2":
         return [*torchrun, str(HERE / "plain_fsdp.py"), *job_flags(a)]
-    if name == "accelerate-ddp":
+    if name.startswith("scaletrain-hf"):
+        return [*torchrun, str(HERE / "setup_hf.py"), *job_flags(a, hf), *(["--ddp"] if name.endswith("ddp") else [])]
+    if name in ("accelerate-ddp", "accelerate-hf-ddp"):
         # --multi_gpu is Accelerate's torchrun path; the script passes cpu=True, so the ranks use gloo on CPU
         # (`--cpu --num_processes 2` starts a single process: Accelerate's multi-CPU launch needs mpirun)
         return [
@@ -148,9 +157,9 @@ def command(name: str, a) -> list[str]:
             "--main_process_port",
             str(free_port()),
             str(HERE / "peer_accelerate.py"),
-            *job_flags(a),
+            *job_flags(a, hf),
         ]
-    if name == "fabric-ddp":
+    if name in ("fabric-ddp", "fabric-hf-ddp"):
         return [
             tool("fabric"),
             "run",
@@ -163,7 +172,7 @@ def command(name: str, a) -> list[str]:
             "--main-port",
             str(free_port()),
             str(HERE / "peer_fabric.py"),
-            *job_flags(a),
+            *job_flags(a, hf),
         ]
     raise ValueError(f"--runners: unknown runner {name!r}; choose from {', '.join(RUNNERS)}")
 

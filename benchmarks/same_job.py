@@ -31,11 +31,41 @@ def job_args(description: str) -> argparse.Namespace:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    ap.add_argument("--hf", action="store_true", help="train a transformers LlamaForCausalLM of the preset's shape")
     return ap.parse_args()
 
 
+def hf_llama(a: argparse.Namespace):
+    """A random transformers LlamaForCausalLM of the preset's shape (seed 0, untied, built from a config: nothing
+    is downloaded); its forward returns an output whose .logits the runners read."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = model_spec(ModelConfig(name=a.model)).shape()
+    assert shape is not None
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.dim,
+        intermediate_size=shape.ffn_dim,
+        num_hidden_layers=shape.n_layers,
+        num_attention_heads=shape.n_heads,
+        num_key_value_heads=shape.n_kv_heads,
+        max_position_embeddings=shape.max_seq_len,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config), shape
+
+
+def logits_of(model, inputs: torch.Tensor) -> torch.Tensor:
+    out = model(inputs)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
 def model_on(a: argparse.Namespace, device: torch.device | str):
-    """(model with seed-0 weights on `device`, its decoder shape)."""
+    """(model with seed-0 weights on `device`, its decoder shape); with --hf the transformers Llama of that shape."""
+    if getattr(a, "hf", False):
+        model, shape = hf_llama(a)
+        return model.to(device), shape
     spec = model_spec(ModelConfig(name=a.model))
     model = spec.build(device)
     spec.init_weights(model, seed=0)

@@ -47,7 +47,8 @@ def test_cli_startup_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_peers_benchmark_runs(tmp_path):
-    """Every runner (scaletrain DDP/FSDP, torch DDP/FSDP2, Accelerate, Fabric) trains 2 steps and the report renders."""
+    """Every runner (scaletrain DDP/FSDP, torch DDP/FSDP2, Accelerate, Fabric; and the HF Llama rows) trains 2 steps
+    and the report renders."""
     report = tmp_path / "BENCHMARKS.md"
     proc = subprocess.run(
         [
@@ -71,7 +72,10 @@ def test_peers_benchmark_runs(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for runner in ("scaletrain-ddp", "torch-ddp", "accelerate-ddp", "fabric-ddp", "scaletrain-fsdp", "torch-fsdp2"):
+    for runner in (
+        *("scaletrain-ddp", "torch-ddp", "accelerate-ddp", "fabric-ddp", "scaletrain-fsdp", "torch-fsdp2"),
+        *("scaletrain-hf-fsdp", "scaletrain-hf-ddp", "accelerate-hf-ddp", "fabric-hf-ddp"),
+    ):
         assert f"| {runner} |" in proc.stdout
         assert (tmp_path / "prof" / f"{runner}.pstats").is_file()  # rank 0's profile of step 2, every runner
     assert "own time ms/step" in proc.stdout

@@ -1,5 +1,6 @@
-"""`scaletrain.setup()` on a user's own model and loop, as the documented example runs it under torchrun."""
+"""`scaletrain.setup()` on a user's own model and loop, as the documented examples run it under torchrun."""
 
+import json
 import os
 import re
 import subprocess
@@ -7,30 +8,42 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
+from conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "custom_loop.py"
+
+
+def _cmd(script: Path, args, nproc):
+    if nproc == 1:
+        return [sys.executable, str(script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(script),
+        *args,
+    ]
+
+
+def _launch(script: Path, args, nproc, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(_cmd(script, args, nproc), capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def _run(args, nproc):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(EXAMPLE), *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
-            str(EXAMPLE),
-            *args,
-        ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _launch(EXAMPLE, args, nproc)
     return [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
 
 
@@ -39,3 +52,134 @@ def test_custom_loop_trains(args, nproc):
     got = _run(args, nproc)
     assert len(got) == 4
     assert got[-1] < got[0] / 3
+
+
+def _close(a, b, tol=1e-5):
+    return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def test_fsdp_on_models_users_bring(tmp_path):
+    """One 2-rank launch (tests/setup_runner.py): FSDP through setup() on a HF causal LM (one unit per decoder
+    layer), tied embeddings with the tied module named as a unit, a predicate, a tied model without a ModuleList,
+    a ViT whose layers are bare ModuleLists and a BatchNorm CNN in bf16: every one trains, and (all but the
+    BatchNorm one, whose statistics are per rank) loss for loss like the same model in one plain-torch process.
+    scaletrain's own Llama with tp=2 takes its TP plan from its spec. Then a job.save() checkpoint of it goes through `ckpt ls` and `ckpt export` like the trainer's."""
+    _launch(ROOT / "tests" / "setup_runner.py", [str(tmp_path)], 2, timeout=600)
+    res = json.loads((tmp_path / "results.json").read_text())
+    for name in ("hf_llama", "hf_llama_tied_named", "hf_llama_predicate", "tied_sequential", "vit", "builtin_llama_tp"):
+        assert _close(res[name]["losses"], res[name]["ref"]), (name, res[name])
+    assert res["hf_llama"]["units"] == 3 + 1  # each decoder layer, and the root
+    assert res["hf_llama_predicate"]["units"] == 3 + 1  # each layer's mlp, and the root
+    assert res["hf_llama_tied_named"]["units"] == 3 + 1  # the tied embedding stays with the root's lm_head
+    assert res["tied_sequential"]["units"] == 1 + 1  # body; embed and head share a weight: the root
+    assert res["vit"]["units"] == 2 * 3 + 1  # attention and feed-forward of a layer: one group per layer
+    assert res["builtin_llama_tp"]["units"] == 0 and res["builtin_llama_tp"]["dtensors"] > 0  # TP only (dp=1)
+    cnn = res["cnn_bf16"]
+    assert all(torch.isfinite(torch.tensor(cnn["losses"]))) and cnn["losses"][-1] < cnn["losses"][0]
+    assert _close(cnn["losses"], cnn["ref"], tol=2e-2)  # bf16 compute, per-rank BatchNorm statistics
+
+    ckpt = Path((tmp_path / "saved_at.txt").read_text())
+    assert ckpt.name == "step_00000003"
+    listed = run_cli(["ckpt", "ls", str(ckpt.parent)], tmp_path).stdout
+    assert "step_00000003" in listed and "fsdp (dp_shard=2)" in listed and "BAD" not in listed
+    run_cli(["ckpt", "export", str(ckpt.parent), "--out", str(tmp_path / "st")], tmp_path)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "st" / "model.safetensors"))
+    gathered = torch.load(tmp_path / "hf_state.pt", weights_only=True)
+    assert exported.keys() == gathered.keys()
+    assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    refused = run_cli(
+        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path, check=False
+    )
+    assert refused.returncode == 2 and "--format safetensors or torch" in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_hsdp_without_a_shard_group_is_refused():
+    from scaletrain.api import _parallel_config
+
+    with pytest.raises(ValueError, match=r"^dp_replicate: HSDP needs .* shard groups of >= 2 ranks \(got 2\)"):
+        _parallel_config("hsdp", 2, 2, True)
+    with pytest.raises(ValueError, match="^tp: 3 does not divide the 4 ranks"):
+        _parallel_config("fsdp", 4, None, True, tp=3)
+    cfg = _parallel_config("hsdp", 4, 2, True)
+    assert (cfg.dp_replicate, cfg.dp_shard) == (2, 2)
+    cfg = _parallel_config("fsdp", 4, None, True, tp=2)
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.tp) == (1, 2, 2)
+
+
+def test_tp_plan_errors_are_one_line():
+    from scaletrain.api import _tp_styles
+
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="^tp_plan: give a non-empty"):
+        _tp_styles(model, 2, lambda m: [], None)
+    assert _tp_styles(model, 1, {"x": None}, None) is None  # nothing to split at tp=1
+
+
+def test_shard_rule_errors_are_one_line():
+    from scaletrain.parallel.blocks import fsdp_units
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"^shard: no module of the Sequential matches .*leave shard=None"):
+        fsdp_units(model, shard=nn.Conv2d)
+    with pytest.raises(ValueError, match="^shard: give module classes"):
+        fsdp_units(model, shard=["Linear"])  # type: ignore[list-item]
+    assert fsdp_units(model, shard=lambda name, m: name == "1") == [model[1]]
+
+
+def test_loader_position_means_the_same_under_any_world_size():
+    """The samples of every step are the same whether 1, 2 or 4 ranks share them, and a loader resumed from a
+    position saved under 2 ranks continues under 4 with exactly the samples not yet seen (across an epoch end)."""
+    from scaletrain.data.map_style import ResumableLoader
+
+    data = list(range(10))
+
+    def steps(world, n, state=None):
+        per_rank = []
+        for rank in range(world):
+            loader = ResumableLoader(data, 4, rank, world, seed=3)
+            if state:
+                loader.load_state_dict(state)
+            it = iter(loader)
+            per_rank.append([next(it).tolist() for _ in range(n)])
+            last = loader.state_dict()
+        return [sum((r[s] for r in per_rank), []) for s in range(n)], last
+
+    whole, _ = steps(1, 6)
+    assert steps(2, 6)[0] == whole == steps(4, 6)[0]
+    assert sorted(whole[0] + whole[1] + whole[2][:2]) == data  # one epoch: every sample once
+    first, state = steps(2, 2)
+    assert state["consumed_samples"] == 8
+    rest, _ = steps(4, 4, state)
+    assert first + rest == whole
+    with pytest.raises(ValueError, match="^global_batch_size: 6 is not a positive multiple of the 4"):
+        ResumableLoader(data, 6, 0, 4)
+
+
+def _steps(stdout: str) -> dict[int, float]:
+    return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", stdout, re.M)}
+
+
+def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
+    """examples/hf_causal_lm.py: a HF Llama with a user TP plan on 2 ranks (tp=2) saves at step 5 and stops; the
+    run resumed on 4 ranks (FSDP 2 x TP 2) continues loss for loss like one uninterrupted plain-python process."""
+    script = ROOT / "examples" / "hf_causal_lm.py"
+    whole = _steps(_launch(script, [], 1).stdout)
+    assert sorted(whole) == list(range(1, 11)) and whole[10] < whole[1]
+    ckpt = str(tmp_path / "ckpt")
+    first = _launch(script, ["--tp", "2", "--ckpt", ckpt, "--stop-at", "5"], 2)
+    assert "layout tp=2" in first.stdout
+    second = _launch(script, ["--tp", "2", "--ckpt", ckpt], 4, timeout=600)
+    assert "layout fsdp (dp_shard=2 x tp=2)" in second.stdout and "resumed at step 5 on 4 ranks" in second.stdout
+    got = {**_steps(first.stdout), **_steps(second.stdout)}
+    assert sorted(got) == list(range(1, 11))
+    assert _close([got[s] for s in range(1, 11)], [whole[s] for s in range(1, 11)]), (got, whole)
+
+
+def test_vision_example_fsdp_bf16_with_batchnorm():
+    proc = _launch(ROOT / "examples" / "vision_bf16.py", [], 2)
+    assert "layout fsdp (dp_shard=2)" in proc.stdout
+    got = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
+    assert len(got) == 4 and got[-1] < got[0] / 2

@@ -3,55 +3,90 @@ device, the data-parallel wrapping and the step mechanics (autocast, accumulatio
 
     import scaletrain
     job = scaletrain.setup(model, optimizer, data_parallel="fsdp", precision="bf16", grad_clip=1.0)
-    for inputs, targets in my_loader:            # each rank feeds its own share of the data
+    loader = job.loader(dataset, global_batch_size=64)   # or your own loader: each rank feeds its own share
+    for inputs, targets in loader:
         with job.autocast():
             loss = loss_fn(job.model(inputs.to(job.device)), targets.to(job.device))
         job.backward(loss)
         job.step()                                # unscale, clip, optimizer step, zero_grad
+    job.save("ckpt/", extra={"data": loader.state_dict()})   # DCP, atomic; job.load("ckpt/") on any world size
 
 Run it with `torchrun --nproc-per-node N my_script.py`, or as a plain `python my_script.py` (one rank).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, cast
 
 import torch
 from torch import nn
 
 from scaletrain.config.precisions import PrecisionName
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
+from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.apply import apply_parallelism
+from scaletrain.parallel.blocks import ShardRule
 from scaletrain.parallel.dims import ParallelDims, build_mesh
 from scaletrain.parallel.runtime import init_distributed, pick_device_type
-from scaletrain.train.job import Job, rebind_optimizer
+from scaletrain.parallel.tensor_parallel import auto_tp_plan
+from scaletrain.train.job import rebind_optimizer
+from scaletrain.train.setup_job import SetupJob
 
 DataParallel = Literal["auto", "none", "ddp", "fsdp", "hsdp"]
+TPPlan = dict | Callable[[nn.Module], dict]
 
 
 def _parallel_config(
-    data_parallel: DataParallel, world: int, dp_replicate: int | None, reshard_after_forward: bool
+    data_parallel: DataParallel, world: int, dp_replicate: int | None, reshard_after_forward: bool, tp: int = 1
 ) -> ParallelConfig:
+    if tp < 1 or world % tp:
+        raise ValueError(f"tp: {tp} does not divide the {world} ranks; pick a tp that divides the world size")
+    dp = world // tp
     mode = data_parallel
     if mode == "auto":
-        mode = "ddp" if world > 1 else "none"
+        mode = "ddp" if dp > 1 else "none"
     if mode == "none":
-        if world > 1:
-            raise ValueError(f"data_parallel='none' on {world} ranks: pick 'ddp', 'fsdp' or 'hsdp'")
-        return ParallelConfig(dp_replicate=1, dp_shard=1)
+        if dp > 1:
+            raise ValueError(f"data_parallel='none' on {dp} data-parallel ranks: pick 'ddp', 'fsdp' or 'hsdp'")
+        return ParallelConfig(dp_replicate=1, dp_shard=1, tp=tp)
     if mode == "ddp":
-        return ParallelConfig(dp_replicate=world, dp_shard=1)
+        return ParallelConfig(dp_replicate=dp, dp_shard=1, tp=tp)
     if mode == "fsdp":
-        return ParallelConfig(dp_replicate=1, dp_shard=world, fsdp_reshard_after_forward=reshard_after_forward)
+        return ParallelConfig(dp_replicate=1, dp_shard=dp, tp=tp, fsdp_reshard_after_forward=reshard_after_forward)
     if mode == "hsdp":
-        if not dp_replicate or dp_replicate < 2 or world % dp_replicate:
+        # refused rather than run: with one rank per shard group HSDP shards nothing, so it would be DDP through
+        # FSDP's machinery (slower, same memory) while the user believes the model is sharded
+        if not dp_replicate or dp_replicate < 2 or dp % dp_replicate or dp // dp_replicate < 2:
             raise ValueError(
-                f"dp_replicate: HSDP needs a replica count >= 2 dividing the world size {world} (got {dp_replicate})"
+                f"dp_replicate: HSDP needs a replica count >= 2 dividing the {dp} data-parallel ranks into shard "
+                f"groups of >= 2 ranks (got {dp_replicate}); use data_parallel='ddp' or 'fsdp', or more ranks"
             )
         return ParallelConfig(
-            dp_replicate=dp_replicate, dp_shard=world // dp_replicate, fsdp_reshard_after_forward=reshard_after_forward
+            dp_replicate=dp_replicate,
+            dp_shard=dp // dp_replicate,
+            tp=tp,
+            fsdp_reshard_after_forward=reshard_after_forward,
         )
     raise ValueError(f"data_parallel: unknown mode {data_parallel!r}; use auto, none, ddp, fsdp or hsdp")
+
+
+def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpec | None) -> dict | None:
+    """The {module path pattern: ParallelStyle} plan: the user's (a dict, or a callable(model) -> dict), else the
+    spec's when scaletrain knows the model, else one found by structure (attention and MLP linears)."""
+    if tp == 1:  # a plan with tp=1 splits nothing: one script can pass its plan and vary tp
+        return None
+    if tp_plan is not None:
+        plan = tp_plan(model) if callable(tp_plan) else tp_plan
+        if not isinstance(plan, dict) or not plan:
+            raise ValueError(
+                "tp_plan: give a non-empty {module path pattern: ParallelStyle} dict or a callable returning one"
+            )
+        return plan
+    if spec is not None:
+        spec.check_tp(tp)
+        return spec.tp_plan(model, False, False)
+    return auto_tp_plan(model)
 
 
 def setup(
@@ -62,24 +97,39 @@ def setup(
     precision: PrecisionName = "fp32",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = True,
+    shard: ShardRule | None = None,
+    tp: int = 1,
+    tp_plan: TPPlan | None = None,
+    spec: ModelSpec | None = None,
     grad_clip: float = 0.0,
     device: Literal["auto", "cpu", "cuda"] = "auto",
     timeout_s: float = 600.0,
-) -> Job:
-    """Join the process group, move and wrap `model` for the chosen data parallelism, and return a Job.
+) -> SetupJob:
+    """Join the process group, move and lay out `model` (tensor parallel, then data parallel), return a Job.
 
-    data_parallel: 'auto' (DDP on several ranks, nothing on one), 'ddp', 'fsdp' (FSDP2, every block sharded),
-    'hsdp' (FSDP2 inside groups of world/dp_replicate ranks, replicated across dp_replicate groups).
+    data_parallel: 'auto' (DDP on several data-parallel ranks, nothing on one), 'ddp', 'fsdp' (FSDP2),
+    'hsdp' (FSDP2 inside groups of dp/dp_replicate ranks, replicated across dp_replicate groups; each group >= 2).
+    shard: which modules FSDP2 shards as units: module classes or a predicate(name, module) -> bool; None: the
+    model's blocks (its largest ModuleList / ModuleDict). Tied parameters stay with the root.
+    tp: tensor-parallel degree (dividing the world size; data parallelism runs over world/tp ranks). tp_plan:
+    {module path pattern: torch ParallelStyle} or a callable(model) -> that dict; None: the plan of `spec` (a
+    scaletrain ModelSpec of this model), else one found by structure.
     precision: compute dtype; master weights and optimizer states stay fp32; fp16 adds loss scaling.
-    grad_clip: max global L2 norm of the gradients (0: no clipping). Returns job with .model, .optimizer, .device,
-    .rank, .world_size, .dp_rank, .autocast(), .accumulate(sync), .backward(loss), .step().
+    grad_clip: max global L2 norm of the gradients (0: no clipping). Every rank must build the same initial weights
+    (seed before building the model). Returns job with .model, .optimizer, .device, .rank, .world_size, .dp_rank,
+    .autocast(), .accumulate(sync), .backward(loss), .step(), .save(dir, extra), .load(dir), .loader(dataset, ...).
     """
     rt = init_distributed(pick_device_type(device), timeout_s)
-    pcfg = _parallel_config(data_parallel, rt.world_size, dp_replicate, reshard_after_forward)
+    pcfg = _parallel_config(data_parallel, rt.world_size, dp_replicate, reshard_after_forward, tp)
     dims = ParallelDims.resolve(pcfg, rt.world_size)
     mesh = build_mesh(dims, rt.device.type)
     names = {id(p): n for n, p in model.named_parameters()}
-    laid_out = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision))
+    styles = _tp_styles(model, tp, tp_plan, spec)
+    laid_out = apply_parallelism(
+        model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision), spec, shard=shard, tp_styles=styles
+    )
     if any(id(p) not in names for p in laid_out.module.parameters()):
         optimizer = rebind_optimizer(optimizer, names, laid_out.module)
-    return Job.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip)
+    job = cast(SetupJob, SetupJob.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip))
+    job.model_spec = spec
+    return job

@@ -26,25 +26,54 @@ def manifest_spec(manifest: dict) -> ModelSpec:
     return spec_from_manifest({"family": "llama", "args": manifest["model_args"]})
 
 
-def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpec]:
-    """The consolidated model weights of a committed checkpoint, read in this one process (no process group)."""
+def _saved_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Empty full-size tensors for every model entry DCP's metadata lists, keyed as saved (`model.<name>`): how a
+    checkpoint of a model scaletrain cannot rebuild (a `scaletrain.setup()` user's own) is consolidated."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from scaletrain.checkpoint.safe_load import METADATA_FILE, read_dcp_metadata
+
+    with open(ckpt / METADATA_FILE, "rb") as f:
+        meta = read_dcp_metadata(f, f"{ckpt.name}/{METADATA_FILE}")
+    return {
+        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in meta.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpec | None]:
+    """The consolidated model weights of a committed checkpoint, read in this one process (no process group), and
+    the model spec it recorded (None for a model saved by `scaletrain.setup()` without one)."""
     from scaletrain.checkpoint.safe_load import load_dcp
 
     manifest = read_manifest(ckpt)
-    if manifest is None or not ("model_spec" in manifest or "model_args" in manifest):
+    if manifest is None:
         raise ValueError(
-            f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json with the model); "
+            f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json); "
             f"pick a step_NNNNNNNN folder listed by `scaletrain ckpt ls`"
         )
-    spec = manifest_spec(manifest)
-    model = spec.build("meta")
-    model.to_empty(device="cpu")
-    state = {"model": {k: v for k, v in model.state_dict().items()}}
+    spec: ModelSpec | None = None
+    if "model_spec" in manifest or "model_args" in manifest:
+        spec = manifest_spec(manifest)
+        model = spec.build("meta")
+        model.to_empty(device="cpu")
+        weights = dict(model.state_dict())
+    else:
+        weights = _saved_model_state(ckpt)
+        if not weights:
+            raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
+    state = {"model": weights}
     load_dcp(state, ckpt, no_dist=True)
     return state["model"], spec
 
 
-def _hf(spec: ModelSpec, field: str):
+def _hf(spec: ModelSpec | None, field: str):
+    if spec is None:
+        raise ValueError(
+            f"{field}: this checkpoint holds a model saved by scaletrain.setup() without a model spec, so its "
+            f"Hugging Face layout is unknown; use --format safetensors or torch (the model's own parameter names)"
+        )
     if spec.hf is None:
         raise ValueError(f"{field}: the {spec.family} model family has no Hugging Face counterpart")
     return spec.hf
@@ -54,9 +83,12 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: str) -> list[Path]:
     """Write the consolidated weights of `ckpt` into folder `out` in format safetensors | torch | hf."""
     from safetensors.torch import save_file
 
-    state, spec = load_full_model_state(ckpt)
     if fmt not in ("torch", "safetensors", "hf"):
         raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf or torch")
+    manifest = read_manifest(ckpt) or {}
+    if fmt == "hf" and not ("model_spec" in manifest or "model_args" in manifest):
+        _hf(None, "--format hf")  # refused before reading any weights
+    state, spec = load_full_model_state(ckpt)
     hf = _hf(spec, "--format hf") if fmt == "hf" else None
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "torch":
@@ -69,6 +101,8 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: str) -> list[Path]:
         (out / "config.json").write_text(json.dumps(hf.config(), indent=1))
     else:
         save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+        if spec is None:
+            return [path]
         (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
     return [path, out / "config.json"]
 

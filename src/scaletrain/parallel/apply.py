@@ -21,6 +21,7 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.models.stages import split_layers
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.compile import apply_compile
+from scaletrain.parallel.blocks import ShardRule
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, stages_of_rank
@@ -64,6 +65,8 @@ def _parallelize(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     init_fn: Callable[[nn.Module], None] | None,
+    shard: ShardRule | None = None,
+    tp_styles: dict | None = None,
 ) -> tuple[nn.Module, bool]:
     """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it); returns it and whether its
     logits are vocabulary-sharded (loss parallel)."""
@@ -73,12 +76,12 @@ def _parallelize(
             parallel.loss_parallel
             and dims.pp == 1
             and parallel.tp_plan == "model"
+            and tp_styles is None
             and spec is not None
             and spec.has_output(model)
         )
-        apply_tensor_parallel(
-            model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel), parallel.tp_plan, spec
-        )
+        plan = tp_styles if tp_styles is not None else parallel.tp_plan
+        apply_tensor_parallel(model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel), plan, spec)
     apply_activation_checkpointing(
         model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every, spec
     )
@@ -86,7 +89,14 @@ def _parallelize(
         apply_compile(model, spec)
     if dims.mode in ("fsdp", "hsdp"):
         model = apply_fsdp(
-            model, mesh, dims, precision.dtype, precision.reduce_dtype, parallel.fsdp_reshard_after_forward, spec
+            model,
+            mesh,
+            dims,
+            precision.dtype,
+            precision.reduce_dtype,
+            parallel.fsdp_reshard_after_forward,
+            spec,
+            shard,
         )
         _materialize(model, device, init_fn)
         return model, loss_parallel
@@ -107,16 +117,21 @@ def apply_parallelism(
     init_fn: Callable[[nn.Module], None] | None = None,
     microbatches: int = 1,
     seq_len: int | None = None,
+    shard: ShardRule | None = None,
+    tp_styles: dict | None = None,
 ) -> ParallelModel:
     """The model wrapped for `dims` on `mesh`, its weights on `device` (filled by init_fn if on meta).
 
     `spec` answers which modules are the blocks, the TP plan and the pipeline cut; a model without one (setup())
     is read by structure and cannot be pipelined. With pp > 1 the module is a PipelinedModel of this rank's stages,
     run by the returned pipeline over `microbatches` micro-batches per step; the stage split is balanced by the
-    cost of seq_len-token samples.
+    cost of seq_len-token samples. `shard` names the FSDP units and `tp_styles` is a {module path: ParallelStyle}
+    plan used instead of the configured one (both from `scaletrain.setup()`).
     """
     if dims.pp == 1:
-        module, loss_parallel = _parallelize(model, spec, dims, mesh, device, parallel, precision, init_fn)
+        module, loss_parallel = _parallelize(
+            model, spec, dims, mesh, device, parallel, precision, init_fn, shard, tp_styles
+        )
         return ParallelModel(module, None, loss_parallel)
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")

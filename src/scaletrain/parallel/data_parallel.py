@@ -1,27 +1,26 @@
 """Data parallelism: DDP (bucketed, overlapping the all-reduce with backward), FSDP2 (`fully_shard`) and HSDP.
 
-FSDP2 shards each block (parallel/blocks.py; a model without a block container: its direct children holding
-parameters) and then the root, so one block's all-gather overlaps the previous block's compute.
+FSDP2 shards each unit (parallel/blocks.py `fsdp_units`: the blocks, or the modules the user names; a model
+without a block container: its direct children holding parameters) and then the root, so one block's all-gather
+overlaps the previous block's compute.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
-from scaletrain.parallel.blocks import block_container, block_items
+from scaletrain.parallel.blocks import ShardRule, fsdp_units
 from scaletrain.parallel.dims import ParallelDims
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
 
-def _units(model: nn.Module, spec: ModelSpec | None) -> list[nn.Module]:
-    found = block_container(model, spec)
-    if found is not None:
-        return [b for _, b in block_items(found[1])]
-    return [m for m in model.children() if any(True for _ in m.parameters())]
+def _batch_norms(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm) and any(True for _ in m.parameters())]
 
 
 def apply_fsdp(
@@ -32,16 +31,36 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: bool,
     spec: ModelSpec | None = None,
+    shard: ShardRule | None = None,
 ) -> nn.Module:
+    """Shard `model` in place: each unit of `fsdp_units(model, spec, shard)`, then the root.
+
+    With a compute dtype below fp32, every BatchNorm becomes its own unit computing in fp32 (its running
+    statistics are fp32 buffers, which batch_norm will not mix with bf16/fp16 weights), its output cast back to the
+    compute dtype. Running statistics stay per rank (not synchronised), as DDP without buffer broadcast.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
+        norms: list[nn.Module] = []
     else:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[reduce_dtype])
-    for block in _units(model, spec):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        norms = _batch_norms(model)
+        fp32 = DTYPES[MASTER_DTYPE]
+        norm_mp = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32, output_dtype=DTYPES[dtype])
+        for norm in norms:  # leaves: safe to shard before any unit that holds them
+            fully_shard(norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward)
+    done = {id(m) for m in norms}
+    for unit in fsdp_units(model, spec, shard):
+        if isinstance(unit, list):
+            unit = [m for m in unit if id(m) not in done]
+            if not unit:
+                continue
+        elif id(unit) in done:
+            continue
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     return model

@@ -103,14 +103,16 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh, opts: TPOptions, plan: str = "model", spec: ModelSpec | None = None
+    model: nn.Module, tp_mesh, opts: TPOptions, plan: str | dict = "model", spec: ModelSpec | None = None
 ) -> nn.Module:
     """Shard `model` (or a pipeline stage of it) over tp_mesh in place: the spec's plan (plan='model'), or the
-    structural one (plan='auto', or a model without a spec). Works on the meta device: the weights are filled
+    structural one (plan='auto', or a model without a spec), or a given {module path: ParallelStyle} dict. Works on the meta device: the weights are filled
     afterwards by the spec's init_weights, which distributes each full tensor."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if plan == "auto" or spec is None:
+    if isinstance(plan, dict):
+        styles = plan
+    elif plan == "auto" or spec is None:
         styles = auto_tp_plan(model)
     else:
         styles = spec.tp_plan(model, opts.sequence_parallel, opts.loss_parallel)
