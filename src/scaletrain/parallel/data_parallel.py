@@ -12,7 +12,7 @@ from torch import nn
 from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import block_container, block_items
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.dims import ParallelDims, fsdp_mesh
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
@@ -35,7 +35,7 @@ def apply_fsdp(
 ) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(dims, mesh)
     if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
     else:

@@ -131,7 +131,8 @@ class Trainer:
         with timer.phase("data"):
             micro_batches = self.loader.next_step()
         beat(step, "forward/backward")
-        loss_sum = forward_backward(self.job, micro_batches, self.dims.dp / self.tokens_per_step, timer=timer)
+        scale = self.dims.grad_average / self.tokens_per_step  # dp (x cp): the ranks gradients average over
+        loss_sum = forward_backward(self.job, micro_batches, scale, timer=timer)
         policy = self.cfg.train.nan_policy
         beat(step, "optimizer")
         with timer.phase("optimizer"):
