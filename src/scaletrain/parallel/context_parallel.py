@@ -69,12 +69,21 @@ class AllGatherKVAttention(nn.Module):
 
     The gathered keys come in rank order (each rank's head and tail chunk), not in sequence order; softmax does
     not care about the order of keys, and the mask compares global positions, so no reordering is needed.
-    The boolean mask (s x S) is built once and shared by every block."""
+    The mask (s x S) is additive in the compute dtype (SDPA would convert a boolean one to that, once per block),
+    built once per dtype and shared by every block."""
 
-    def __init__(self, group, mask: torch.Tensor):
+    def __init__(self, group, allowed: torch.Tensor, masks: dict):
         super().__init__()
         self.group = group
-        self.mask = mask  # a plain attribute, not a buffer: never checkpointed, never touched by to_empty()
+        # plain attributes, not buffers: never checkpointed, never touched by to_empty()
+        self.allowed = allowed  # (s, S) bool: query position >= key position
+        self.masks = masks  # {dtype: additive mask}, shared by the blocks of this rank
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self.masks:
+            zero = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+            self.masks[dtype] = zero.masked_fill(~self.allowed, float("-inf"))
+        return self.masks[dtype]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_single_autograd
@@ -87,7 +96,7 @@ class AllGatherKVAttention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.dtype))
 
 
 class _CausalSDPA(nn.Module):
@@ -154,7 +163,8 @@ def apply_context_parallel(
         spec.context_parallel(model, lambda _old: RingAttention(cp_mesh), positions)
     else:
         keys = torch.cat([cp_positions(seq_len, cp, r, device) for r in range(cp)])
-        mask = positions[:, None] >= keys[None, :]
+        allowed = positions[:, None] >= keys[None, :]
         group = cp_mesh.get_group()
-        spec.context_parallel(model, lambda _old: AllGatherKVAttention(group, mask), positions)
+        masks: dict[torch.dtype, torch.Tensor] = {}
+        spec.context_parallel(model, lambda _old: AllGatherKVAttention(group, allowed, masks), positions)
     return ContextParallel(positions, cp, method)

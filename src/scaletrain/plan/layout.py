@@ -60,14 +60,14 @@ class Layout:
 
     @property
     def data_parallel_mode(self) -> str:
-        if self.dp_shard > 1:
+        if self.dp_shard * self.cp > 1:  # cp ranks join the FSDP shard group, as in the trainer
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp" if self.dp_replicate > 1 else "single"
 
     def describe(self) -> str:
         """Short human form, e.g. 'fsdp 64 · mb 1×8 · ac full · bf16'."""
         parts = []
-        if self.dp_shard > 1 and self.dp_replicate > 1:
+        if self.dp_shard * self.cp > 1 and self.dp_replicate > 1:
             parts.append(f"hsdp {self.dp_replicate}x{self.dp_shard}")
         elif self.dp_shard > 1:
             parts.append(f"fsdp {self.dp_shard}")

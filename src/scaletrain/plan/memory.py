@@ -146,11 +146,10 @@ def cp_extra_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp, cp, 
     return per_global * (np.asarray(cp, dtype=np.float64) - 1.0)
 
 
-def cp_mask_bytes(micro_batch, seq_len: int, cp):
-    """The all-gather method's boolean causal mask over global positions: (S/cp) x S bytes, one per forward
-    (shared by every block and every sample of the micro-batch)."""
-    c = np.asarray(cp, dtype=np.float64)
-    return np.ones_like(np.asarray(micro_batch, dtype=np.float64)) * (seq_len / c) * seq_len
+def cp_mask_bytes(seq_len: int, cp, elem_bytes):
+    """The all-gather method's additive causal mask over global positions in the compute dtype: (S/cp) x S
+    elements, built once (shared by every block, every sample and every micro-batch)."""
+    return np.asarray(elem_bytes, dtype=np.float64) * (seq_len / np.asarray(cp, dtype=np.float64)) * seq_len
 
 
 def output_layer_saved_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, fused_norm: bool = True):
@@ -236,7 +235,7 @@ def memory_breakdown(
     last = act * cols["layers_head"] * last_in_flight + out
     lines["activations"] = np.where(
         (grid.pp == 1) | v_shape, first, np.where(first >= last, first, act * cols["layers_head"] * last_in_flight)
-    ) + np.where(grid.cp > 1, cp_mask_bytes(grid.micro_batch, work.seq_len, grid.cp) * in_flight, 0.0)
+    ) + np.where(grid.cp > 1, cp_mask_bytes(work.seq_len, grid.cp, e), 0.0)
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shape | (last > first), out, 0.0)
     one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)

@@ -4,7 +4,9 @@ adds checkpointing, monitoring, preemption and hang detection. Tests and benchma
 
 Loss normalisation: each optimizer step sees B·S target tokens in all. A rank's micro-batch loss is its summed token
 loss × (data-parallel degree / (B·S)), so the data-parallel gradient average yields exactly the gradient of the mean
-over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process.
+over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process. Under context
+parallelism the gradient reduction also averages over the cp ranks (each holding a cp-th of every sequence), so the
+scale counts them too (ParallelDims.grad_average).
 """
 
 from __future__ import annotations
