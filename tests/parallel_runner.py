@@ -6,7 +6,10 @@ after the last step. One launch, one process group, several layouts:
     torchrun --nproc-per-node 8 tests/parallel_runner.py JOBS.json OUT_DIR  # every job must fit 8 ranks
 
 JOBS.json: [{"name": "pp_gpipe", "overrides": ["parallel.pp=2", ...]}, ...]. Writes OUT_DIR/NAME/losses.json
-(rank 0) and OUT_DIR/NAME/state_rankR.pt from one rank per pipeline stage (data-parallel and TP rank 0).
+(rank 0) and OUT_DIR/NAME/state_rankR.pt from one rank per pipeline stage (data-parallel, TP and CP rank 0).
+A job with "activations": true also writes OUT_DIR/NAME/activations_rankR.json: the bytes autograd saves for
+backward in one forward of the next micro-batch (distinct storages, parameters excluded), counted by
+saved-tensor hooks (no pipeline).
 """
 
 from __future__ import annotations
@@ -22,16 +25,41 @@ from scaletrain.parallel import full_state_dict, init_distributed, shutdown_dist
 from scaletrain.train import Trainer
 
 
-def run_job(overrides: list[str], out: Path, rt) -> None:
+def saved_activation_bytes(trainer) -> int:
+    """Bytes of distinct storages autograd saves during one forward + loss of the next micro-batch, without the
+    parameters (FSDP's gathered ones included: they are the module's parameters while it runs)."""
+    from scaletrain.train.step import token_loss_sum
+
+    model, job = trainer.model.module, trainer.job
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        params = {p.untyped_storage().data_ptr() for p in model.parameters() if not hasattr(p, "device_mesh")}
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    mb = trainer.loader.next_step()[0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = token_loss_sum(job, mb.inputs, mb.targets)
+    del loss
+    return sum(seen.values())
+
+
+def run_job(overrides: list[str], out: Path, rt, activations: bool = False) -> None:
     trainer = Trainer.build(load_config(None, overrides), rt)
     losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
     out.mkdir(parents=True, exist_ok=True)
     tp_rank = trainer.mesh["tp"].get_local_rank() if trainer.dims.tp > 1 else 0
-    if trainer.job.dp_rank == 0 and tp_rank == 0:
+    cp_rank = trainer.mesh["cp"].get_local_rank() if trainer.dims.cp > 1 else 0
+    if trainer.job.dp_rank == 0 and tp_rank == 0 and cp_rank == 0:
         torch.save(state, out / f"state_rank{rt.rank}.pt")
     if rt.rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
+    if activations:
+        (out / f"activations_rank{rt.rank}.json").write_text(json.dumps(saved_activation_bytes(trainer)))
 
 
 def main() -> None:
@@ -40,7 +68,7 @@ def main() -> None:
     rt = init_distributed("cpu")
     try:
         for job in jobs:
-            run_job(job["overrides"], out / job["name"], rt)
+            run_job(job["overrides"], out / job["name"], rt, job.get("activations", False))
             torch.distributed.barrier()
     finally:
         shutdown_distributed()

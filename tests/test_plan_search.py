@@ -60,8 +60,13 @@ def test_a_layout_applies_to_a_config_as_its_printed_overrides_would(lay):
 
 
 def test_a_layout_the_config_refuses_is_one_line_naming_the_field():
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: unknown key"):
-        Layout(1, 4, 1, 1, 2, 1, 4, "none", "bf16", "none").apply(JobConfig())
+    with pytest.raises(ConfigError, match=r"^train\.global_batch_size: "):
+        Layout(1, 4, 1, 1, 1, 2**25, 1, "none", "bf16", "none").apply(JobConfig())
+
+
+def test_a_context_parallel_layout_applies_with_the_method_the_planner_models():
+    applied = Layout(1, 4, 1, 1, 2, 1, 4, "none", "bf16", "none").apply(JobConfig())
+    assert (applied.parallel.cp, applied.parallel.cp_method, applied.parallel.dp_shard) == (2, "allgather", 4)
 
 
 def test_pipeline_bubble_shows_in_a_given_layout():

@@ -134,8 +134,9 @@ class ParallelConfig(Section):
     -1 on dp_shard fills the rest.
 
     dp_replicate > 1 with dp_shard == 1 is DDP; dp_shard > 1 is FSDP2; both > 1 is HSDP. tp splits every block's
-    matmuls (DTensor), pp splits the layers into pipeline stages (torch.distributed.pipelining).
-    Applied in one fixed order: pipeline split -> TP -> activation checkpointing -> compile -> FSDP/DDP.
+    matmuls (DTensor), pp splits the layers into pipeline stages (torch.distributed.pipelining), cp splits every
+    sequence over ranks (parallel/context_parallel.py; its ranks join the FSDP shard group).
+    Applied in one fixed order: pipeline split -> CP -> TP -> activation checkpointing -> compile -> FSDP/DDP.
     """
 
     dp_replicate: int = Field(
@@ -144,6 +145,15 @@ class ParallelConfig(Section):
     dp_shard: int = Field(-1, ge=-1, le=MAX_RANKS, description="sharded data-parallel degree (FSDP2); -1: the rest")
     tp: int = Field(1, ge=1, le=MAX_RANKS, description="tensor-parallel degree")
     pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline-parallel degree")
+    cp: int = Field(
+        1, ge=1, le=MAX_RANKS, description="context-parallel degree: each sequence split over cp ranks (head+tail)"
+    )
+    cp_method: Literal["auto", "allgather", "ring"] = Field(
+        "auto",
+        description="cp > 1: allgather gathers K and V of the whole sequence on every rank (any device, gloo too); "
+        "ring: torch's context_parallel SDPA (CUDA only); auto: ring on CUDA unless the model has fewer KV heads "
+        "than query heads (GQA: the gathered K and V are small), else allgather",
+    )
     fsdp_reshard_after_forward: bool = Field(
         True, description="False keeps gathered params from forward to backward (ZeRO-2-like)"
     )

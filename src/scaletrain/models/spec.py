@@ -9,6 +9,7 @@ A family is one folder under `models/` whose package exports `SPEC` (a ModelSpec
   pipeline split use; keys are the global block index, so a pipeline stage keeps the whole model's names;
 - how to cut a pipeline stage (`stage`) and the training cost of each block (`layer_costs`) to balance the cut;
 - its tensor-parallel plan (`tp_plan`) and what tensor parallelism needs to divide (`check_tp`);
+- whether its attention can be split over a sequence (`supports_cp`) and the hook that does it (`context_parallel`);
 - FLOPs per token, parameter count, the decoder shape the planner models (`shape`);
 - its manifest entry (`manifest`), so a checkpoint rebuilds the model without the job config;
 - a Hugging Face state adapter (`hf`), when the family has a transformers counterpart.
@@ -166,6 +167,19 @@ class ModelSpec(ABC):
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         """{module path: ParallelStyle} for `model` (or a stage of it)."""
         raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
+
+    # -- context parallelism --------------------------------------------------------------------------------
+    supports_cp: ClassVar[bool] = False  # can each rank hold part of a sequence (causal attention, RoPE positions)?
+
+    def context_parallel(
+        self, model: nn.Module, make_core: Callable[[nn.Module], nn.Module], positions: torch.Tensor
+    ) -> None:
+        """Make `model` (or a stage of it) run on a part of each sequence: every attention core (q, k, v of
+        shape (B, H, S, D) -> output) replaced by make_core(old core), positional encodings taken at `positions`
+        (int64, the global position of each local token)."""
+        raise ValueError(
+            f"parallel.cp: the {self.family} family's attention cannot be split over ranks; use parallel.cp=1"
+        )
 
     # -- numbers --------------------------------------------------------------------------------------------
     def shape(self) -> DecoderShape | None:

@@ -1,5 +1,5 @@
 """Applying a layout to a model, in one fixed order:
-pipeline split → tensor (+ sequence) parallel → activation checkpointing → compile → FSDP2 / DDP.
+pipeline split → context parallel → tensor (+ sequence) parallel → activation checkpointing → compile → FSDP2 / DDP.
 
 Each step works on the meta-device model; it is materialised at the right moment: after FSDP sharding (each rank
 allocates only its shard), before DDP (which broadcasts rank 0's weights at construction). TP before FSDP makes
@@ -22,6 +22,7 @@ from scaletrain.models.stages import split_layers
 from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.blocks import ShardRule
+from scaletrain.parallel.context_parallel import ContextParallel, apply_context_parallel, pick_cp_method
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, stages_of_rank
@@ -35,6 +36,7 @@ class ParallelModel:
     module: nn.Module  # the wrapped model; with pp > 1 a PipelinedModel of this rank's stages
     pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
+    context: ContextParallel | None = None  # cp > 1: this rank's part of every sequence (inputs/targets sharded)
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -128,24 +130,31 @@ def apply_parallelism(
     cost of seq_len-token samples. `shard` names the FSDP units and `tp_styles` is a {module path: ParallelStyle}
     plan used instead of the configured one (both from `scaletrain.setup()`).
     """
+
+    def context_parallel(part: nn.Module) -> ContextParallel | None:
+        if dims.cp == 1:
+            return None
+        if spec is None or seq_len is None:
+            raise ValueError("parallel.cp: context parallelism needs a model spec and data.seq_len; use parallel.cp=1")
+        method = pick_cp_method(parallel.cp_method, device.type, spec)
+        return apply_context_parallel(part, spec, mesh["cp"], device, method, seq_len)
+
     if dims.pp == 1:
+        context = context_parallel(model)
         module, loss_parallel = _parallelize(
             model, spec, dims, mesh, device, parallel, precision, init_fn, shard, tp_styles
         )
-        return ParallelModel(module, None, loss_parallel)
+        return ParallelModel(module, None, loss_parallel, context)
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
     n_stages = dims.pp * parallel.stages_per_rank
     bounds = split_layers(spec.layer_costs(seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = stages_of_rank(pp_rank, dims.pp, n_stages, parallel.pp_schedule)
-    parts = [
-        _parallelize(spec.stage(model, s, n_stages, bounds[s]), spec, dims, mesh, device, parallel, precision, init_fn)[
-            0
-        ]
-        for s in stage_ids
-    ]
+    stages = [spec.stage(model, s, n_stages, bounds[s]) for s in stage_ids]
+    contexts = [context_parallel(stage) for stage in stages]
+    parts = [_parallelize(stage, spec, dims, mesh, device, parallel, precision, init_fn)[0] for stage in stages]
     pipeline = build_pipeline(
         parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches, bounds
     )
-    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False)
+    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False, contexts[0])

@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import ShardRule, fsdp_units
-from scaletrain.parallel.dims import ParallelDims
+from scaletrain.parallel.dims import ParallelDims, fsdp_mesh
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
@@ -41,7 +41,7 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = fsdp_mesh(dims, mesh)
     if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
         norms: list[nn.Module] = []

@@ -1,8 +1,8 @@
 """`scaletrain train --plan auto`: the planner's fastest layout that the trainer can run, for the job's model,
 sequence length and global batch on the ranks this command starts, applied to the job's config (Layout.apply).
 
-The search is restricted to what the trainer runs (no context parallelism; the user's precision, activation
-checkpointing or pipeline schedule when they set one), and every candidate is checked with the trainer's own
+The search is restricted to what the trainer runs (the user's precision, activation checkpointing or pipeline
+schedule when they set one; context parallelism for sequences of 32k tokens and more), and every candidate is checked with the trainer's own
 preflight (resolve_job) before it is chosen, so a plan that would be refused at launch is never picked.
 """
 
@@ -108,7 +108,7 @@ def auto_plan(
         precisions=precisions,
         ac_modes=(p.activation_checkpoint,) if "parallel.activation_checkpoint" in given else AC_MODES,
         schedules=(p.pp_schedule,) if "parallel.pp_schedule" in given else SCHEDULE_NAMES,
-        cp=(1,),  # the trainer has no context parallelism
+        cp=None,  # 1, plus 2/4/8 for sequences of 32k tokens and more (parallel/context_parallel.py)
         max_micro_batch=max(16, cfg.train.micro_batch_size or 1),
         top=10_000,
     )

@@ -60,14 +60,14 @@ class Layout:
 
     @property
     def data_parallel_mode(self) -> str:
-        if self.dp_shard > 1:
+        if self.dp_shard * self.cp > 1:  # cp ranks join the FSDP shard group, as in the trainer
             return "hsdp" if self.dp_replicate > 1 else "fsdp"
         return "ddp" if self.dp_replicate > 1 else "single"
 
     def describe(self) -> str:
         """Short human form, e.g. 'fsdp 64 · mb 1×8 · ac full · bf16'."""
         parts = []
-        if self.dp_shard > 1 and self.dp_replicate > 1:
+        if self.dp_shard * self.cp > 1 and self.dp_replicate > 1:
             parts.append(f"hsdp {self.dp_replicate}x{self.dp_shard}")
         elif self.dp_shard > 1:
             parts.append(f"fsdp {self.dp_shard}")
@@ -90,8 +90,8 @@ class Layout:
     def settings(self) -> dict[str, dict[str, object]]:
         """The job-config values that run this layout, by section and key (typed, as JobConfig holds them).
 
-        Sequence parallelism comes with tp > 1 (the planner's TP model assumes it). parallel.cp has no trainer
-        behind it yet: the config refuses it, and `--plan auto` never searches cp > 1. Stages per rank are the
+        Sequence parallelism comes with tp > 1 (the planner's TP model assumes it); cp > 1 runs the all-gather
+        method (parallel.cp_method=allgather), the one the planner's cp traffic models. Stages per rank are the
         schedule's default (parallel.pp_stages_per_rank), as the planner assumes.
         """
         parallel: dict[str, object] = {
@@ -102,6 +102,7 @@ class Layout:
         }
         if self.cp > 1:
             parallel["cp"] = self.cp
+            parallel["cp_method"] = "allgather"
         if self.pp > 1:
             parallel["pp_schedule"] = self.schedule
         if self.ac != "none":
@@ -119,7 +120,7 @@ class Layout:
 
     def apply(self, cfg: JobConfig) -> JobConfig:
         """`cfg` running this layout: its settings() replace cfg's, everything else stays. ConfigError (one line
-        naming the field) when the result is not a valid config, e.g. cp > 1."""
+        naming the field) when the result is not a valid config."""
         tree = cfg.model_dump()
         for section, values in self.settings().items():
             tree[section].update(values)

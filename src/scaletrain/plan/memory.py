@@ -131,6 +131,27 @@ def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: s
     return 2 * norm / t + 2 * e * h + 4 * e * h / t + 4 * a / t + 4 * e * f / t
 
 
+def cp_extra_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp, cp, ac_code):
+    """Bytes per local token one block keeps on top of layer_activation_bytes_per_token under context parallelism
+    (all-gather method): attention keeps K and V of the whole sequence, cp times its own tokens. Without
+    checkpointing they are the repeated K and V (every query head: 2h per token); selective checkpointing keeps
+    the gathered KV heads (the all-gather's output) and recomputes the repeat; full keeps the block input only."""
+    e = np.asarray(elem_bytes, dtype=np.float64)
+    t = np.asarray(tp, dtype=np.float64)
+    kv = args.n_kv_heads * args.head_dim
+    kv_local = np.where(t <= args.n_kv_heads, kv / t, float(args.head_dim))
+    per_global = np.select(
+        [np.asarray(ac_code) == 0, np.asarray(ac_code) == 1], [2 * e * args.dim / t, 2 * e * kv_local], 0.0
+    )
+    return per_global * (np.asarray(cp, dtype=np.float64) - 1.0)
+
+
+def cp_mask_bytes(seq_len: int, cp, elem_bytes):
+    """The all-gather method's additive causal mask over global positions in the compute dtype: (S/cp) x S
+    elements, built once (shared by every block, every sample and every micro-batch)."""
+    return np.asarray(elem_bytes, dtype=np.float64) * (seq_len / np.asarray(cp, dtype=np.float64)) * seq_len
+
+
 def output_layer_saved_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, fused_norm: bool = True):
     """Bytes the final norm, output projection and cross-entropy save for backward per token: norm, the
     projection's input, fp32 log-softmax output (vocabulary sharded with loss parallelism), int64 target."""
@@ -178,8 +199,8 @@ def memory_breakdown(
     args = work.args
     cols = cols if cols is not None else layout_columns(work, grid)
     e = np.asarray([p.element_bytes for p in PRECISIONS], dtype=np.float64)[grid.precision]
-    fsdp = grid.dp_shard > 1
-    ddp = (grid.dp_shard == 1) & (grid.dp_replicate > 1)
+    fsdp = grid.dp_shard * grid.cp > 1  # cp ranks join the FSDP shard group
+    ddp = ~fsdp & (grid.dp_replicate > 1)
     m = grid.accumulation
     on_gpu = cluster.gpu.name != "cpu"
 
@@ -200,6 +221,7 @@ def memory_breakdown(
         if sel.any():
             per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
             act[sel] = per * tok[sel]  # one block's, per micro-batch
+    act = act + cp_extra_activation_bytes_per_token(args, e, grid.tp, grid.cp, grid.ac) * tok
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
     out = (
         output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
@@ -213,7 +235,7 @@ def memory_breakdown(
     last = act * cols["layers_head"] * last_in_flight + out
     lines["activations"] = np.where(
         (grid.pp == 1) | v_shape, first, np.where(first >= last, first, act * cols["layers_head"] * last_in_flight)
-    )
+    ) + np.where(grid.cp > 1, cp_mask_bytes(work.seq_len, grid.cp, e), 0.0)
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shape | (last > first), out, 0.0)
     one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)

@@ -148,7 +148,7 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
                     continue
                 for ds in divisors(dp):
                     # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound
-                    if 16.0 * params_per_rank(args, t, p, ds, work.seq_len)[0] > capacity:
+                    if 16.0 * params_per_rank(args, t, p, ds * c, work.seq_len)[0] > capacity:
                         continue
                     base.append((dp // ds, ds, t, p, c))
     if not base:

@@ -221,12 +221,12 @@ def param_columns(
 
 
 def layout_columns(work, grid) -> dict:
-    """param_columns for a plan.layout.Workload and LayoutGrid (V-shaped schedules place stages as a V)."""
+    """param_columns for a plan.layout.Workload and LayoutGrid (V-shaped schedules place stages as a V); FSDP
+    shards over dp_shard x cp, as the trainer does (parallel/dims.py FSDP_SHARD_DIM)."""
     from scaletrain.plan.pipeline import v_shaped
 
-    return param_columns(
-        work.args, grid.tp, grid.pp, grid.dp_shard, work.seq_len, grid.virtual_stages, v_shaped(grid.schedule)
-    )
+    shard = grid.dp_shard * grid.cp
+    return param_columns(work.args, grid.tp, grid.pp, shard, work.seq_len, grid.virtual_stages, v_shaped(grid.schedule))
 
 
 def _layer_tp_lookup(args: DecoderShape, tp_f):

@@ -116,12 +116,16 @@ def time_breakdown(
     tp_ops = layers * (8.0 + np.where(grid.ac == 2, 4.0, 0.0)) + 2.0
     tp_mb = tp_ops * collective_seconds("all_gather", act_bytes, tp, 1, cluster)
 
-    # context parallel: each block all-gathers K and V forward and again backward, reduce-scatters their grads;
-    # it overlaps with attention compute
+    # context parallel, as parallel/context_parallel.py's all-gather method sends it: per block one all-gather of K
+    # and V of the whole sequence (KV heads, before the GQA repeat) in forward, one reduce-scatter of their
+    # gradients in backward, and with full checkpointing a second all-gather when the block's forward is recomputed
+    # (selective checkpointing keeps the gathered tensors). Exposed: the attention waits for its keys.
     kv_bytes = 2.0 * grid.micro_batch * s * args.n_kv_heads * args.head_dim * e / tp
-    cp_comm = 3.0 * layers * collective_seconds("all_gather", kv_bytes, cp, tp, cluster)
-    attn_time = 3.0 * layers * tok * attention_flops_per_token_layer(args, s) / tp / r_attn
-    cp_mb = np.maximum(0.0, cp_comm - attn_time)
+    cp_ops = 1.0 + np.where(grid.ac == 2, 1.0, 0.0)
+    cp_mb = layers * (
+        cp_ops * collective_seconds("all_gather", kv_bytes, cp, tp, cluster)
+        + collective_seconds("reduce_scatter", kv_bytes, cp, tp, cluster)
+    )
 
     # pipeline: activations forward and their gradients back, per micro-batch, sequence-sharded over TP
     dp_total = dps * dpr
@@ -139,11 +143,13 @@ def time_breakdown(
         startup = collective_seconds(kind, 0.0, size, inner, cluster)
         return collective_seconds(kind, nbytes, size, inner, cluster) + (units - 1.0) * startup
 
-    gather = per_unit("all_gather", e * cols["n_tp"], dps, tp * cp)
+    # FSDP shards over dp_shard x cp (cp ranks hold the same weights), tp ranks apart
+    shard = dps * cp
+    gather = per_unit("all_gather", e * cols["n_tp"], shard, tp)
     gather_bwd = gather * (cols["n_tp"] - cols["root_tp"]) / cols["n_tp"]  # the root stays gathered
-    rs = per_unit("reduce_scatter", 4.0 * cols["n_tp"], dps, tp * cp)
-    hsdp_ar = per_unit("all_reduce", 4.0 * cols["n_tp"] / dps, dpr, tp * cp * dps)
-    fsdp = grid.dp_shard > 1
+    rs = per_unit("reduce_scatter", 4.0 * cols["n_tp"], shard, tp)
+    hsdp_ar = per_unit("all_reduce", 4.0 * cols["n_tp"] / shard, dpr, tp * shard)
+    fsdp = shard > 1
     # the first gather and the last reduction wait on / for compute; the rest hides behind it as far as it can
     first_gather = gather / np.maximum(layers, 1)
     last_reduce = (rs + hsdp_ar) / np.maximum(layers, 1)

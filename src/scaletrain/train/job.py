@@ -15,6 +15,7 @@ from torch import nn
 from scaletrain.config.precisions import precision
 from scaletrain.parallel.data_parallel import DTYPES, uses_autocast
 from scaletrain.parallel.apply import ParallelModel
+from scaletrain.parallel.context_parallel import ContextParallel
 from scaletrain.parallel.dims import ParallelDims, dp_coordinates
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.parallel.runtime import Runtime
@@ -107,6 +108,7 @@ class Job:
     scaler: torch.amp.GradScaler | None = None  # fp16 only (ShardedGradScaler under FSDP)
     pipeline: Pipeline | None = None  # the schedule running this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits are vocabulary-sharded: loss and backward under loss_parallel()
+    context: ContextParallel | None = None  # cp > 1: each rank feeds its part of every sequence (shard_sequence)
     _params: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -139,6 +141,7 @@ class Job:
             scaler=make_scaler(dims, dtype, rt.device, loss_scale_init, loss_scale_growth_interval),
             pipeline=model.pipeline,
             loss_parallel=model.loss_parallel,
+            context=model.context,
         )
 
     def __post_init__(self) -> None:
@@ -147,6 +150,10 @@ class Job:
         # one rank per data-parallel coordinate reports the loss: the last pipeline stage's first TP rank
         tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp > 1 else 0
         self.owns_loss = tp_rank == 0 and (self.pipeline is None or self.pipeline.has_last)
+
+    def shard_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's part of (B, S) inputs or targets: all of it, or under context parallelism its S/cp tokens."""
+        return tokens if self.context is None else self.context.shard(tokens)
 
     @property
     def dp_size(self) -> int:

@@ -211,6 +211,8 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
     )
     if trainer.model.pipeline is not None:
         log.info("%s", trainer.model.pipeline.describe())
+    if trainer.model.context is not None:
+        log.info("%s", trainer.model.context.describe())
     last_loss, val_loss = float("nan"), None
     t_start = time.perf_counter()
     window = _LogWindow()

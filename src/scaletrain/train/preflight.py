@@ -109,6 +109,8 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
             raise ValueError(
                 "parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards only the linears)"
             )
+    if dims.cp > 1:
+        check_context_parallel(cfg, spec, dims)
     if dims.pp > 1:
         spec.check_pp(dims.pp)
         stages = dims.pp * p.stages_per_rank
@@ -123,6 +125,30 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
                 f"schedule; use bf16 with parallel.pp > 1"
             )
         pipeline_microbatches(cfg, dims)
+
+
+def check_context_parallel(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """cp > 1 needs a model whose attention can be split, sequences that cut into 2·cp equal chunks (a head and a
+    tail chunk per rank), and an attention method this device runs."""
+    from scaletrain.parallel.context_parallel import pick_cp_method
+    from scaletrain.parallel.runtime import pick_device_type
+
+    if not spec.supports_cp:
+        raise ValueError(
+            f"parallel.cp: the {spec.family} family's attention cannot be split over ranks; use parallel.cp=1"
+        )
+    seq = cfg.data.seq_len
+    if seq % (2 * dims.cp):
+        raise ValueError(
+            f"parallel.cp: data.seq_len={seq} is not divisible by 2 x parallel.cp = {2 * dims.cp} (each rank "
+            f"takes a head and a tail chunk); pick a data.seq_len that is a multiple of {2 * dims.cp}"
+        )
+    if cfg.parallel.sequence_parallel and (seq // dims.cp) % dims.tp:
+        raise ValueError(
+            f"parallel.sequence_parallel: the {seq // dims.cp} tokens per cp rank are not divisible by "
+            f"parallel.tp={dims.tp}; pick a data.seq_len that is a multiple of {2 * dims.cp * dims.tp}"
+        )
+    pick_cp_method(cfg.parallel.cp_method, pick_device_type(cfg.run.device), spec)
 
 
 def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:

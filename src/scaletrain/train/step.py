@@ -5,7 +5,8 @@ parallelism the schedule replaces the micro-batch loop.
 
 Loss reporting: every rank returns its share of the summed token loss, and exactly one rank per data-parallel
 coordinate holds it (the last pipeline stage's first tensor-parallel rank; the others return 0), so one sum over
-all ranks counts every token once.
+all ranks counts every token once. Under context parallelism each cp rank holds the loss of its own part of the
+sequences (Job.shard_sequence), and the same sum still counts every token once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
 
 def token_loss_sum(job: Job, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over every target token of the micro-batch (logits in fp32)."""
+    inputs, targets = job.shard_sequence(inputs), job.shard_sequence(targets)
     with job.autocast():
         logits = job.model(inputs.to(job.device, non_blocking=True))
     return _token_loss_sum(logits, targets.to(job.device))
@@ -57,7 +59,7 @@ def _owned(job: Job, loss_sum: torch.Tensor) -> torch.Tensor:
 def _whole(micro_batches: list[Batch], job: Job) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = torch.cat([mb.inputs for mb in micro_batches]).to(job.device)
     targets = torch.cat([mb.targets for mb in micro_batches]).to(job.device)
-    return inputs, targets
+    return job.shard_sequence(inputs), job.shard_sequence(targets)
 
 
 def forward_backward(job: Job, micro_batches: list[Batch], loss_scale: float, timer=NULL_TIMER) -> torch.Tensor:

@@ -4,7 +4,9 @@ adds checkpointing, monitoring, preemption and hang detection. Tests and benchma
 
 Loss normalisation: each optimizer step sees B·S target tokens in all. A rank's micro-batch loss is its summed token
 loss × (data-parallel degree / (B·S)), so the data-parallel gradient average yields exactly the gradient of the mean
-over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process.
+over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process. Under context
+parallelism the gradient reduction also averages over the cp ranks (each holding a cp-th of every sequence), so the
+scale counts them too (ParallelDims.grad_average).
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ class Trainer:
         with timer.phase("data"):
             micro_batches = self.loader.next_step()
         beat(step, "forward/backward")
-        loss_sum = forward_backward(self.job, micro_batches, self.dims.dp / self.tokens_per_step, timer=timer)
+        scale = self.dims.grad_average / self.tokens_per_step  # dp (x cp): the ranks gradients average over
+        loss_sum = forward_backward(self.job, micro_batches, scale, timer=timer)
         policy = self.cfg.train.nan_policy
         beat(step, "optimizer")
         with timer.phase("optimizer"):

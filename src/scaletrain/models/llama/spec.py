@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from scaletrain.models.llama.args import LlamaArgs
@@ -63,6 +64,19 @@ class LlamaSpec(ModelSpec):
         from scaletrain.models.llama.parallelize import llama_tp_plan
 
         return llama_tp_plan(cast("Llama", model), sequence_parallel, loss_parallel)
+
+    supports_cp = True
+
+    def context_parallel(
+        self, model: nn.Module, make_core: Callable[[nn.Module], nn.Module], positions: torch.Tensor
+    ) -> None:
+        from scaletrain.models.llama.model import Attention, Llama
+
+        for m in list(model.modules()):  # a list: cores are replaced while walking
+            if isinstance(m, Llama):
+                m.positions = positions
+            elif isinstance(m, Attention):
+                m.core = make_core(m.core)
 
     def shape(self) -> DecoderShape:
         return self.args
