@@ -1,5 +1,5 @@
 """Hugging Face models through the normal trainer (`model.hf=FOLDER`): for each family, built from a tiny random
-config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) give the per-step
+config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) / PP 2 give the per-step
 losses of one process over 5 steps; the first loss equals transformers' own forward on the saved weights; an
 exported checkpoint loads with from_pretrained and gives the same logits; bad folders and layouts are one line
 before launch."""
@@ -47,12 +47,14 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 NO_TP = ("gpt2", "qwen3_moe")  # refused in one line (test_bad_input_is_one_line_before_launch)
+NO_PP = ("qwen3", "gemma2", "gpt2")  # tied embeddings: refused in one line under parallel.pp
 STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
 LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp2": [],
     "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
     "tp2sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
 }
 
 
@@ -89,14 +91,18 @@ def runs(folders, tmp_path_factory) -> Path:
         f"{n}_{layout}": [*STEPS, f"model.hf={p}", *extra]
         for n, p in folders.items()
         for layout, extra in LAYOUTS.items()
-        if not (n in NO_TP and layout.startswith("tp"))
+        if not _skipped(n, layout)
     }
     launch_runner(2, jobs, out)
     return out
 
 
+def _skipped(family: str, layout: str) -> bool:
+    return (family in NO_TP and layout.startswith("tp")) or (family in NO_PP and layout.startswith("pp"))
+
+
 def _cases() -> list[tuple[str, str]]:
-    return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not (n in NO_TP and lay.startswith("tp"))]
+    return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not _skipped(n, lay)]
 
 
 @pytest.mark.parametrize(("family", "layout"), _cases())
@@ -181,6 +187,10 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])
     for family in NO_TP:
         assert "use parallel.tp=1" in _refusal([f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1"])
+    for family in NO_PP:
+        assert "ties its output layer to the input embedding" in _refusal(
+            [f"model.hf={folders[family]}", "parallel.pp=2", "parallel.dp_shard=1"]
+        )
     three = save_hf_folder(tmp_path / "kv3", {**FAMILIES["llama"], "num_key_value_heads": 1})
     assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
