@@ -58,9 +58,6 @@ LAYOUTS = {
 }
 
 
-NO_WEIGHTS = ("qwen3_moe",)  # transformers saves experts one by one; scaletrain starts it from random weights
-
-
 def save_hf_folder(out: Path, fields: dict, seed: int = 0, weights: bool = True) -> Path:
     """A random model of that config, saved as transformers saves it (config.json + model.safetensors), or only
     its config.json."""
@@ -79,7 +76,7 @@ def save_hf_folder(out: Path, fields: dict, seed: int = 0, weights: bool = True)
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {name: save_hf_folder(root / name, f, weights=name not in NO_WEIGHTS) for name, f in FAMILIES.items()}
+    return {name: save_hf_folder(root / name, f) for name, f in FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +110,7 @@ def test_every_layout_trains_a_hf_family_with_the_losses_of_one_process(runs, fa
         assert abs(a - b) <= TOL, f"{family} {layout} step {step}: {b} vs single-process {a}"
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_WEIGHTS])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, family):
     """Step 1's loss is computed before any update: transformers' from_pretrained model on the same batch."""
     import torch.nn.functional as F
@@ -135,7 +132,7 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
     assert abs(ours - theirs) <= TOL, f"{family}: first loss {ours}, transformers' forward {theirs}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(folders, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -160,6 +157,18 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
         a, b, before = ours(x), theirs(input_ids=x).logits, start(input_ids=x).logits
     assert (a - b).abs().max().item() <= TOL
     assert (a - before).abs().max().item() > 1e-3  # the export holds the trained weights, not the starting ones
+    # laid out as transformers saves the model (tied output once, mixture-of-experts weights expert by expert)
+    assert _file_keys(tmp_path / "out") == _file_keys(folders[family])
+
+
+def _file_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            keys |= set(h.keys())
+    return keys
 
 
 def _refusal(overrides: list[str], world: int = 2) -> str:
@@ -195,8 +204,6 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
     )
-    moe = save_hf_folder(tmp_path / "moe", FAMILIES["qwen3_moe"])
-    assert "scaletrain does not convert that layout yet" in _refusal([f"model.hf={moe}"])
     assert "the shape comes from model.hf" in _refusal([f"model.hf={folders['llama']}", "model.dim=32"])
     # weights whose shapes do not match config.json
     wrong = save_hf_folder(tmp_path / "wrong", FAMILIES["llama"])

@@ -196,7 +196,7 @@ class HFSpec(ModelSpec):
             from scaletrain.models.hf.weights import has_weights, load_weights
 
             if has_weights(self.args.path):
-                load_weights(model, self.args.path)
+                load_weights(model, self.args.path, self)
                 return
         init_by_name(model, seed, self.param_init_std)
 
