@@ -164,38 +164,38 @@ class _Reader:
     def __init__(self, spec: Any, folder: str | Path):
         self.where = weight_files(folder)
         self.layout = Layout(spec, sorted(self.where))
-        self.handles: dict[Path, Any] = {}
         tied = _tied_key(spec)
         if tied is not None and tied not in self.layout.direct:  # a tied output layer is the embedding
             emb = cast(Any, spec.meta_model).get_input_embeddings()
             emb_name = next(n for n, m in spec.meta_model.named_modules() if m is emb) + ".weight"
             self.layout.direct[tied] = self.layout.direct[emb_name]
 
-    def entry(self, key: str) -> Any:
+    def entry(self, key: str, index: tuple[slice, ...] | None = None) -> Any:
+        """The block of one stored tensor (its shape when index is None). The file is opened per read: safetensors
+        memory-maps it, and pages left mapped would count in this rank's resident memory until the end."""
         from safetensors import safe_open
 
-        path = self.where[key]
-        if path not in self.handles:
-            self.handles[path] = safe_open(str(path), framework="pt")
-        return self.handles[path].get_slice(key)
+        with safe_open(str(self.where[key]), framework="pt") as h:
+            entry = h.get_slice(key)
+            if index is None:
+                return entry.get_shape()
+            return entry[index] if index else entry[:]
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         """Block `index` of parameter `name` (whole slices: the full tensor)."""
         import torch
 
         if name in self.layout.direct:
-            entry = self.entry(self.layout.direct[name])
-            return entry[index] if index else entry[:]
+            return self.entry(self.layout.direct[name], index)
         experts, rows, cols = index
         out = []
         for e in range(*experts.indices(len(self.layout.packed[name][0]))):
             parts, at = [], 0
             for per_expert in self.layout.packed[name]:
-                entry = self.entry(per_expert[e])
-                n = entry.get_shape()[0]
+                n = self.entry(per_expert[e])[0]
                 lo, hi = max(rows.start or 0, at), min(n + at if rows.stop is None else rows.stop, at + n)
                 if lo < hi:
-                    parts.append(entry[lo - at : hi - at, cols])
+                    parts.append(self.entry(per_expert[e], (slice(lo - at, hi - at), cols)))
                 at += n
             out.append(torch.cat(parts))
         return torch.stack(out)
@@ -209,21 +209,18 @@ def load_weights(model: nn.Module, folder: str | Path, spec: Any) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     reader = _Reader(spec, folder)
-    try:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                key = plain_param_name(name)
-                local = p.to_local() if isinstance(p, DTensor) else p
-                piece = _local_slice(p)
-                if piece is None:
-                    full = reader.read(key, (slice(None),) * p.dim()).to(torch.float32)
-                    dt = cast(DTensor, p)
-                    local.copy_(distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None).to_local())
-                    continue
-                shape, offset = piece
-                local.copy_(reader.read(key, tuple(slice(o, o + s) for o, s in zip(offset, shape))))
-    finally:
-        reader.handles.clear()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = plain_param_name(name)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            piece = _local_slice(p)
+            if piece is None:
+                full = reader.read(key, (slice(None),) * p.dim()).to(torch.float32)
+                dt = cast(DTensor, p)
+                local.copy_(distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None).to_local())
+                continue
+            shape, offset = piece
+            local.copy_(reader.read(key, tuple(slice(o, o + s) for o, s in zip(offset, shape))))
 
 
 class HFFolderAdapter(HFAdapter):
