@@ -13,13 +13,10 @@ transformers picks a layer's mask by its position in the list it runs."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from scaletrain.models.hf.spec import HFSpec
 
 
 class StageLayers(nn.ModuleDict):
@@ -47,7 +44,7 @@ def _is_norm(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__
 
 
-def outer_modules(spec: HFSpec, model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
+def outer_modules(spec: Any, model: nn.Module) -> tuple[str, dict[str, nn.Module]]:
     """(name of the layer list, {name: child}) of the base model's children other than the layer list."""
     base = spec._base(model)[1]
     container = spec.blocks(model)
@@ -55,7 +52,7 @@ def outer_modules(spec: HFSpec, model: nn.Module) -> tuple[str, dict[str, nn.Mod
     return layers_attr, {n: m for n, m in base.named_children() if m is not container}
 
 
-def check_stages(spec: HFSpec) -> None:
+def check_stages(spec: Any) -> None:
     """ValueError (one line) when the base model holds parameters a stage could not place: anything besides the
     input embedding, learned positions (nn.Embedding), the final norm and parameter-free modules."""
     if spec.tied:
@@ -96,7 +93,7 @@ def _stage_class(cls: type) -> type:
     return _STAGE_CLASSES[cls]
 
 
-def cut_stage(spec: HFSpec, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
+def cut_stage(spec: Any, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
     """A copy of `model` (meta: free) that is pipeline stage `stage` of `n_stages`, holding layers [bounds)."""
     first, last = stage == 0, stage == n_stages - 1
     prefix, _ = spec._base(model)
