@@ -1,5 +1,5 @@
 """Hugging Face models through the normal trainer (`model.hf=FOLDER`): for each family, built from a tiny random
-config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) give the per-step
+config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) / PP 2 give the per-step
 losses of one process over 5 steps; the first loss equals transformers' own forward on the saved weights; an
 exported checkpoint loads with from_pretrained and gives the same logits; bad folders and layouts are one line
 before launch."""
@@ -47,16 +47,15 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 NO_TP = ("gpt2", "qwen3_moe")  # refused in one line (test_bad_input_is_one_line_before_launch)
+NO_PP = ("qwen3", "gemma2", "gpt2")  # tied embeddings: refused in one line under parallel.pp
 STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
 LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp2": [],
     "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
     "tp2sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
 }
-
-
-NO_WEIGHTS = ("qwen3_moe",)  # transformers saves experts one by one; scaletrain starts it from random weights
 
 
 def save_hf_folder(out: Path, fields: dict, seed: int = 0, weights: bool = True) -> Path:
@@ -77,7 +76,7 @@ def save_hf_folder(out: Path, fields: dict, seed: int = 0, weights: bool = True)
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {name: save_hf_folder(root / name, f, weights=name not in NO_WEIGHTS) for name, f in FAMILIES.items()}
+    return {name: save_hf_folder(root / name, f) for name, f in FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +88,18 @@ def runs(folders, tmp_path_factory) -> Path:
         f"{n}_{layout}": [*STEPS, f"model.hf={p}", *extra]
         for n, p in folders.items()
         for layout, extra in LAYOUTS.items()
-        if not (n in NO_TP and layout.startswith("tp"))
+        if not _skipped(n, layout)
     }
     launch_runner(2, jobs, out)
     return out
 
 
+def _skipped(family: str, layout: str) -> bool:
+    return (family in NO_TP and layout.startswith("tp")) or (family in NO_PP and layout.startswith("pp"))
+
+
 def _cases() -> list[tuple[str, str]]:
-    return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not (n in NO_TP and lay.startswith("tp"))]
+    return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not _skipped(n, lay)]
 
 
 @pytest.mark.parametrize(("family", "layout"), _cases())
@@ -107,7 +110,7 @@ def test_every_layout_trains_a_hf_family_with_the_losses_of_one_process(runs, fa
         assert abs(a - b) <= TOL, f"{family} {layout} step {step}: {b} vs single-process {a}"
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in NO_WEIGHTS])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, family):
     """Step 1's loss is computed before any update: transformers' from_pretrained model on the same batch."""
     import torch.nn.functional as F
@@ -129,7 +132,7 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
     assert abs(ours - theirs) <= TOL, f"{family}: first loss {ours}, transformers' forward {theirs}"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(folders, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
@@ -154,6 +157,18 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
         a, b, before = ours(x), theirs(input_ids=x).logits, start(input_ids=x).logits
     assert (a - b).abs().max().item() <= TOL
     assert (a - before).abs().max().item() > 1e-3  # the export holds the trained weights, not the starting ones
+    # laid out as transformers saves the model (tied output once, mixture-of-experts weights expert by expert)
+    assert _file_keys(tmp_path / "out") == _file_keys(folders[family])
+
+
+def _file_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            keys |= set(h.keys())
+    return keys
 
 
 def _refusal(overrides: list[str], world: int = 2) -> str:
@@ -181,12 +196,14 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])
     for family in NO_TP:
         assert "use parallel.tp=1" in _refusal([f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1"])
+    for family in NO_PP:
+        assert "ties its output layer to the input embedding" in _refusal(
+            [f"model.hf={folders[family]}", "parallel.pp=2", "parallel.dp_shard=1"]
+        )
     three = save_hf_folder(tmp_path / "kv3", {**FAMILIES["llama"], "num_key_value_heads": 1})
     assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
     )
-    moe = save_hf_folder(tmp_path / "moe", FAMILIES["qwen3_moe"])
-    assert "scaletrain does not convert that layout yet" in _refusal([f"model.hf={moe}"])
     assert "the shape comes from model.hf" in _refusal([f"model.hf={folders['llama']}", "model.dim=32"])
     # weights whose shapes do not match config.json
     wrong = save_hf_folder(tmp_path / "wrong", FAMILIES["llama"])

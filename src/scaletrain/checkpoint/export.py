@@ -3,8 +3,11 @@
 Formats:
 - safetensors: `model.safetensors` with scaletrain's own parameter names (+ `config.json` of the model spec).
 - torch: `model.pt`, a plain state dict readable with `torch.load(..., weights_only=True)`.
-- hf: a Hugging Face transformers folder (`config.json` + `model.safetensors`), through the model family's adapter
-  (ModelSpec.hf; the built-in Llama's maps names and permutes the rotary projections, models/llama/hf.py).
+- hf: a Hugging Face transformers folder (`config.json` + safetensors), through the model family's adapter
+  (ModelSpec.hf; the built-in Llama's maps names and permutes the rotary projections, models/llama/hf.py; a
+  `model.hf` model is written by transformers' own save_pretrained: shards, index, per-expert MoE layout).
+
+Every format consolidates the whole model in this one process (each tensor read from the DCP shards once).
 """
 
 from __future__ import annotations
@@ -95,15 +98,13 @@ def export_checkpoint(ckpt: Path, out: Path, fmt: str) -> list[Path]:
         path = out / "model.pt"
         torch.save(state, path)
         return [path]
-    path = out / "model.safetensors"
     if hf is not None:
-        save_file(hf.to_hf(state), str(path), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(hf.config(), indent=1))
-    else:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
-        if spec is None:
-            return [path]
-        (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
+        return hf.save(state, out)
+    path = out / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    if spec is None:
+        return [path]
+    (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
     return [path, out / "config.json"]
 
 

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from scaletrain.models.naming import plain_param_name
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from torch import nn
 
@@ -91,6 +93,17 @@ class HFAdapter(ABC):
     @abstractmethod
     def check_config(self, hf_config: dict) -> None:
         """ValueError (one line) when a Hugging Face config.json describes another model than this one."""
+
+    def save(self, state: dict[str, torch.Tensor], out: Path) -> list[Path]:
+        """Write `state` (our names) into folder `out` as a transformers folder; returns the files written."""
+        import json
+
+        from safetensors.torch import save_file
+
+        path = out / "model.safetensors"
+        save_file(self.to_hf(state), str(path), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.config(), indent=1))
+        return [path, out / "config.json"]
 
 
 class ModelSpec(ABC):

@@ -19,8 +19,9 @@ LAYER_LISTS = ("layers", "h", "blocks", "layer")  # where transformers' decoders
 
 
 def _logits_only(module, args, output):
-    """Forward hook: the trainer wants logits, transformers returns a CausalLMOutput (use_cache is off)."""
-    return output.logits
+    """Forward hook: the trainer wants logits, transformers returns a CausalLMOutput (use_cache is off); a
+    pipeline stage returns its tensor itself."""
+    return output.logits if hasattr(output, "logits") else output
 
 
 class HFSpec(ModelSpec):
@@ -195,7 +196,7 @@ class HFSpec(ModelSpec):
             from scaletrain.models.hf.weights import has_weights, load_weights
 
             if has_weights(self.args.path):
-                load_weights(model, self.args.path)
+                load_weights(model, self.args.path, self)
                 return
         init_by_name(model, seed, self.param_init_std)
 
@@ -219,11 +220,15 @@ class HFSpec(ModelSpec):
         )
 
     def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
-        raise ValueError("parallel.pp: pipeline parallelism is not supported for model.hf yet; use parallel.pp=1")
+        from scaletrain.models.hf.stages import cut_stage
+
+        return cut_stage(self, model, stage, n_stages, bounds)
 
     def check_pp(self, pp: int) -> None:
         if pp > 1:
-            raise ValueError("parallel.pp: pipeline parallelism is not supported for model.hf yet; use parallel.pp=1")
+            from scaletrain.models.hf.stages import check_stages
+
+            check_stages(self)
 
     def has_output(self, model: nn.Module) -> bool:
         return cast(Any, model).get_output_embeddings() is not None

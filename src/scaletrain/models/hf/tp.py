@@ -23,7 +23,7 @@ HF_SUPPORT = (
     "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
     "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
     "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not GPT-2, not MoE); "
-    "no pipeline parallelism yet"
+    "PP (not with tied embeddings)"
 )
 
 # transformers' plan strings (integrations/tensor_parallel.py) that translate to torch ParallelStyles here
@@ -91,6 +91,7 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -109,11 +110,14 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
     }
     plan: dict = {}
     emb = m.get_input_embeddings()
-    plan[names[emb]] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if emb is not None:  # None on pipeline stages after the first
+        plan[names[emb]] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    out = m.get_output_embeddings()
     container = spec.blocks(model)
     cpath = names[container]
     layer_attr = cpath.rsplit(".", 1)[-1]
-    for i, (key, layer) in enumerate(container.named_children()):
+    children = list(container.named_children())
+    for i, (key, layer) in enumerate(children):
         lpath = f"{cpath}.{key}"
         for pattern, style in base_plan(spec).items():
             head, _, rest = pattern.partition(".*.")
@@ -126,12 +130,21 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
                 continue  # e.g. dense MLP names on a MoE layer
             plan[path] = styles[style]()
         if sp:
-            first = i == 0 and key == "0"
-            plan[lpath] = PrepareModuleInput(
-                input_layouts=(Replicate() if first else Shard(1),),
-                desired_input_layouts=(Shard(1),),
-                use_local_output=True,
-            )
+            # the whole residual stream enters the first layer (of the model, or of a pipeline stage: stages hand
+            # each other whole hidden states, transformers reads the sequence length from them)
+            into = (Replicate() if i == 0 else Shard(1),)
+            if out is None and i == len(children) - 1:  # the last layer of a stage before the last: gathered
+                plan[lpath] = PrepareModuleInputOutput(
+                    input_layouts=into,
+                    desired_input_layouts=(Shard(1),),
+                    use_local_input=True,
+                    output_layouts=(Shard(1),),
+                    desired_output_layouts=(Replicate(),),
+                )
+            else:
+                plan[lpath] = PrepareModuleInput(
+                    input_layouts=into, desired_input_layouts=(Shard(1),), use_local_output=True
+                )
             for child_name, child in layer.named_children():
                 if "Norm" in type(child).__name__:
                     plan[f"{lpath}.{child_name}"] = SequenceParallel(use_local_output=True)
@@ -143,7 +156,6 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
             plan[f"{lpath}.mlp"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
-    out = m.get_output_embeddings()
     if out is not None:
         if sp:  # the final norm: a Norm child of the module holding the layers, on sequence shards
             parent_path = cpath.rsplit(".", 1)[0] if "." in cpath else ""
