@@ -90,23 +90,28 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layouts(cluster, work):
-    runs = {}
-    for name, extra in LAYOUTS.items():
-        results = _finish(_start(cluster, work, [f"run.name={name}", *extra, "--nnodes", "2"]))
-        for node, (rc, err) in enumerate(results):
-            assert rc == 0, f"{name} node {node} exited {rc}: {err[-3000:]}"
-        runs[name] = work / "runs" / name
-    return runs
+    """name -> run folder of that layout across both nodes, each run once on first use (shared by the tests)."""
+    runs: dict[str, Path] = {}
+
+    def run(name: str) -> Path:
+        if name not in runs:
+            results = _finish(_start(cluster, work, [f"run.name={name}", *LAYOUTS[name], "--nnodes", "2"]))
+            for node, (rc, err) in enumerate(results):
+                assert rc == 0, f"{name} node {node} exited {rc}: {err[-3000:]}"
+            runs[name] = work / "runs" / name
+        return runs[name]
+
+    return run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_across_nodes_matches_one_process(layouts, work, layout):
-    ref, got = losses(work / "runs/single"), losses(layouts[layout])
+    ref, got = losses(work / "runs/single"), losses(layouts(layout))
     assert len(ref) == len(got) == STEPS
     for step, (a, b) in enumerate(zip(ref, got), 1):
         assert abs(a - b) <= TOL, f"{layout} step {step}: {b} vs single-process {a}"
-    assert json.loads((layouts[layout] / "summary.json").read_text())["world_size"] == 4
+    assert json.loads((layouts(layout) / "summary.json").read_text())["world_size"] == 4
 
 
 @pytest.mark.slow
@@ -148,11 +153,11 @@ def test_killed_node_comes_back_and_the_run_finishes_bit_identical(cluster, work
     for node, (rc, err) in enumerate(results):
         assert rc == 0, f"node {node} exited {rc}: {err[-3000:]}"
     assert "resumed from" in results[0][1], results[0][1][-3000:]
-    got, want = _final_weights(run), _final_weights(layouts["fsdp"])
+    got, want = _final_weights(run), _final_weights(layouts("fsdp"))
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
-    assert losses(run) == losses(layouts["fsdp"])
+    assert losses(run) == losses(layouts("fsdp"))
 
 
 @pytest.mark.slow
@@ -165,7 +170,7 @@ def test_killed_node_elastic_run_shrinks_and_finishes(cluster, work, layouts):
     ((rc, err),) = _finish(procs[:1])
     assert rc == 0, err[-3000:]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2  # node 0's 2 ranks went on alone
-    ref, got = losses(layouts["fsdp"]), losses(run)
+    ref, got = losses(layouts("fsdp")), losses(run)
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(ref, got), 1):
         assert abs(a - b) <= TOL, f"step {step}: {b} after shrinking vs {a}"

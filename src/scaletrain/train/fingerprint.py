@@ -105,7 +105,10 @@ def check_same_job(cfg: JobConfig, timeout_s: float) -> None:
     nodes = world // local_world
     # the default group's store (torch keeps no public getter; present in every torch this project supports)
     store = dist.distributed_c10d._get_default_store()
-    prefix = f"scaletrain/fingerprint/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # not keyed by TORCHELASTIC_RESTART_COUNT: a node that was lost and started again counts from 0 while the
+    # others count on (seen: a deadlock). Each round's store is fresh (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in
+    # launch/local.py; torch prefixes the agent's shared store per attempt itself).
+    prefix = "scaletrain/fingerprint"
     timeout = timedelta(seconds=timeout_s)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         me = fingerprint(cfg)
