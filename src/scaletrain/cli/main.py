@@ -19,7 +19,7 @@ from scaletrain.cli.launch import launch
 from scaletrain.cli.plan import bench, plan
 from scaletrain.cli.report import report
 from scaletrain.config.errors import ConfigError
-from scaletrain.exit_codes import EXIT_FAILED, EXIT_HANG, EXIT_REQUEUE
+from scaletrain.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HANG, EXIT_REQUEUE
 
 if TYPE_CHECKING:
     from scaletrain.config import JobConfig
@@ -49,12 +49,29 @@ def main() -> None:
     "(key=value overrides still win).",
 )
 @click.option("--calibration", default=None, help="With --plan auto: calibration TOML from `scaletrain bench`.")
+@click.option(
+    "--nnodes",
+    default=None,
+    metavar="N|MIN:MAX",
+    help="Nodes, one `scaletrain train` agent each (launch.nnodes); MIN:MAX is elastic: after a lost node the "
+    "run goes on with as few as MIN (launch.min_nodes).",
+)
+@click.option(
+    "--node-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="This node's number, checked at the rendezvous: two nodes with the same one are refused (launch.node_rank).",
+)
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="The c10d rendezvous (launch.rdzv_endpoint).")
 def train(
     args: tuple[str, ...],
     print_config: bool,
     nproc_per_node: int | None,
     plan_mode: str | None,
     calibration: str | None,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_endpoint: str | None,
 ) -> None:
     """Train: `scaletrain train [CONFIG.toml] [section.key=value ...]`.
 
@@ -66,6 +83,7 @@ def train(
     from scaletrain.train.preflight import default_nproc, resolve_job, under_external_launcher
 
     path, overrides = split_config_args(args)
+    overrides = [*overrides, *_node_overrides(nnodes, node_rank, rdzv_endpoint)]
     try:
         cfg = load_config(path, overrides)
     except ConfigError as e:
@@ -108,6 +126,11 @@ def train(
             launch_local(cfg, nproc, rdzv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
+        if codes == {EXIT_BAD_INPUT}:  # the ranks refused the job (a node differs): their one line is the error
+            from scaletrain.monitor.rank_logs import failure_cause, rank_log
+
+            rank = min(e.failures)
+            fail(failure_cause(rank_log(cfg.run_dir(), rank), rank) or "the ranks refused the job")
         if codes == {EXIT_REQUEUE}:
             click.echo(
                 f"scaletrain: preempted; a checkpoint was saved, the same command resumes it (exit {EXIT_REQUEUE})",
@@ -126,6 +149,21 @@ def train(
             err=True,
         )
         sys.exit(EXIT_REQUEUE)
+
+
+def _node_overrides(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | None) -> list[str]:
+    """--nnodes/--node-rank/--rdzv-endpoint as the launch.* overrides they stand for (after the user's own)."""
+    out = []
+    if nnodes is not None:
+        lo, sep, hi = nnodes.partition(":")
+        if not (lo.isdigit() and (not sep or hi.isdigit())):
+            fail(f"--nnodes: '{nnodes}' is not N or MIN:MAX (e.g. 2 or 1:2)")
+        out += [f"launch.nnodes={hi or lo}", f"launch.min_nodes={lo if sep else 0}"]
+    if node_rank is not None:
+        out.append(f"launch.node_rank={node_rank}")
+    if rdzv_endpoint is not None:
+        out.append(f"launch.rdzv_endpoint={rdzv_endpoint}")
+    return out
 
 
 def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> JobConfig:

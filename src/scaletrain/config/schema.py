@@ -371,6 +371,20 @@ class LaunchConfig(Section):
         0, ge=0, le=MAX_RANKS, description="ranks on this host; 0: all local GPUs, or 2 CPU ranks"
     )
     nnodes: int = Field(1, gt=0, le=MAX_RANKS)
+    min_nodes: int = Field(
+        0,
+        ge=0,
+        le=MAX_RANKS,
+        description="elastic: the run goes on with as few as this many nodes after one is lost (0: nnodes, not "
+        "elastic); the layout is resolved again for the world that is left",
+    )
+    node_rank: int = Field(
+        -1,
+        ge=-1,
+        lt=MAX_RANKS,
+        description="this node's rank as the user numbers it, checked at the rendezvous (two nodes giving the "
+        "same one are refused); -1: none. The c10d rendezvous orders nodes by launch.local_addr",
+    )
     rdzv_endpoint: str = Field(
         "127.0.0.1:0",
         description="HOST:PORT of the c10d rendezvous (host name, IPv4 or [IPv6]); port 0 picks a "
@@ -408,6 +422,16 @@ class LaunchConfig(Section):
     def _host_port(cls, value: str) -> str:
         check_endpoint(value)
         return value
+
+    @model_validator(mode="after")
+    def _node_counts(self) -> LaunchConfig:
+        if self.min_nodes > self.nnodes:
+            raise ValueError(f"launch.min_nodes: {self.min_nodes} is more than launch.nnodes={self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(
+                f"launch.node_rank: {self.node_rank} is not below launch.nnodes={self.nnodes}; number nodes 0..N-1"
+            )
+        return self
 
 
 class JobConfig(Section):

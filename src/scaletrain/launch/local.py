@@ -86,8 +86,9 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     interface = network.interface_of(rdzv.listen_addr)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    os.environ["SCALETRAIN_NODE_ADDR"] = rdzv.listen_addr  # names this node in the rendezvous check's messages
     launch = AgentConfig(
-        min_nodes=cfg.launch.nnodes,
+        min_nodes=cfg.launch.min_nodes or cfg.launch.nnodes,
         max_nodes=cfg.launch.nnodes,
         nproc_per_node=nproc_per_node,
         run_id=run_id(cfg),
@@ -95,7 +96,8 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
         rdzv_endpoint=rdzv.endpoint,
         max_restarts=cfg.launch.max_restarts,
         # is_host=False: the agent joins as a client of our store; its own would listen on every interface
-        rdzv_configs={"is_host": False},
+        # last_call_timeout: how long an elastic round that reached min_nodes waits for more (torch's default 30 s)
+        rdzv_configs={"is_host": False, "last_call_timeout": 10},
         # MASTER_ADDR of the workers: rank 0 binds its store there (parallel/runtime.py)
         local_addr=rdzv.listen_addr,
         monitor_interval=0.2,
@@ -109,4 +111,5 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
         results = elastic_launch(launch, run_from_dict)(cfg.model_dump())
     finally:
         rdzv.server = None  # the agent has left the rendezvous: close the store
-    return results[0]
+    # rank 0's summary; another node's agent only has its own ranks' results
+    return results.get(0) or next(iter(results.values()), {})

@@ -33,6 +33,7 @@ from scaletrain.parallel import (
 )
 from scaletrain.train.job import Job
 from scaletrain.train.optim import build_optimizer, build_scheduler
+from scaletrain.train.fingerprint import check_same_job
 from scaletrain.train.preflight import ResolvedJob, resolve_job
 from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
 
@@ -93,6 +94,7 @@ class Trainer:
         device_type = pick_device_type(cfg.run.device)
         if rt is None:
             rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
+        check_same_job(cfg, cfg.launch.collective_timeout_s)  # every node runs this job: before any collective
         resolved = resolve_job(cfg, rt.world_size)
         dims = resolved.dims
         mesh = build_mesh(dims, device_type)

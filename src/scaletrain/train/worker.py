@@ -8,8 +8,10 @@ import os
 import sys
 
 from scaletrain.config import JobConfig, load_config, split_config_args, validate_config
+from scaletrain.exit_codes import EXIT_BAD_INPUT
 from scaletrain.monitor.rank_logs import log_exception, redirect_to_rank_log
 from scaletrain.parallel.runtime import shutdown_distributed
+from scaletrain.train.fingerprint import NodeMismatchError
 from scaletrain.train.loop import train
 
 
@@ -21,6 +23,11 @@ def run_from_dict(tree: dict) -> dict:
     console = redirect_to_rank_log(cfg.run_dir(), rank)
     try:
         return train(cfg, console=console)
+    except NodeMismatchError as e:
+        # the user's mistake, not a crash: one line that the command prints as its error, and exit 2
+        sys.stderr.write(f"[rank{rank}] {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(EXIT_BAD_INPUT) from None
     except BaseException as e:
         if not isinstance(e, SystemExit):  # SystemExit(EXIT_REQUEUE) is a preemption, already logged
             log_exception(rank, e)
