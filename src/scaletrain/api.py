@@ -62,6 +62,7 @@ def setup(
     precision: PrecisionName = "fp32",
     dp_replicate: int | None = None,
     reshard_after_forward: bool = True,
+    fsdp_accumulate: Literal["sharded", "unsharded"] = "sharded",
     grad_clip: float = 0.0,
     device: Literal["auto", "cpu", "cuda"] = "auto",
     timeout_s: float = 600.0,
@@ -71,6 +72,8 @@ def setup(
     data_parallel: 'auto' (DDP on several ranks, nothing on one), 'ddp', 'fsdp' (FSDP2, every block sharded),
     'hsdp' (FSDP2 inside groups of world/dp_replicate ranks, replicated across dp_replicate groups).
     precision: compute dtype; master weights and optimizer states stay fp32; fp16 adds loss scaling.
+    fsdp_accumulate: under FSDP/HSDP, 'sharded' reduce-scatters even inside accumulate(sync=False), keeping
+    gradients sharded (memory / ranks); 'unsharded' holds whole gradients until sync=True.
     grad_clip: max global L2 norm of the gradients (0: no clipping). Returns job with .model, .optimizer, .device,
     .rank, .world_size, .dp_rank, .autocast(), .accumulate(sync), .backward(loss), .step().
     """
@@ -82,4 +85,4 @@ def setup(
     laid_out = apply_parallelism(model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision))
     if any(id(p) not in names for p in laid_out.module.parameters()):
         optimizer = rebind_optimizer(optimizer, names, laid_out.module)
-    return Job.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip)
+    return Job.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip, fsdp_accumulate=fsdp_accumulate)

@@ -183,7 +183,8 @@ def _print_plan(result, top_lines, alt_lines, advice, budget) -> None:
     con.print(table)
     top = result.rows[0]
     con.print(
-        "[bold]memory of #1 per GPU[/]: " + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0)
+        "[bold]memory of #1 per GPU[/]: " + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0),
+        soft_wrap=True,  # one line, never broken inside a line's name
     )
     con.print("[bold]run #1 with[/]: " + top.layout.as_overrides())
     con.print("[bold]why #1[/]:")

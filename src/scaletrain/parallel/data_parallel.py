@@ -32,18 +32,25 @@ def apply_fsdp(
     reduce_dtype: str,
     reshard_after_forward: bool,
     spec: ModelSpec | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """Shard every block, then the root, over the data-parallel dims of `mesh`. cpu_offload: FSDP2's
+    CPUOffloadPolicy on every unit (sharded parameters, gradients and optimizer states in host memory, pinned
+    when there is a GPU to copy to)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
     else:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[reduce_dtype])
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for block in _units(model, spec):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return model
 
 
