@@ -30,6 +30,14 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("baseline", "unsharded", "offload", "plain-act")
+FOOTER = (
+    "On CPU ranks peak RSS is an upper bound: it also holds what the allocator keeps after frees and every "
+    "temporary, which the planner's lines do not model one by one; differences of a few tens of MB between "
+    "variants are within that noise here. The exact checks are the tests: tensor bytes of model states "
+    "(tests/test_plan_distributed.py) and saved activations (tests/test_plan_formulas.py) against the planner. "
+    "Step times come from 2 CPU cores shared with other jobs: read the ratios, not the seconds. On a CPU host "
+    "offload only adds copies (host and device are the same memory)."
+)
 
 
 def _rss_bytes(field: str = "VmRSS") -> int:
@@ -261,6 +269,7 @@ def main(argv: list[str] | None = None) -> str:
             argv,
             lines + [""],
             machine(),
+            footer=FOOTER,
         )
     return table
 
