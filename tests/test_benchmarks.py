@@ -20,6 +20,23 @@ def test_overhead_benchmark_runs():
     assert "plain torch" in proc.stdout and "scaletrain" in proc.stdout
 
 
+def test_memory_benchmark_runs(tmp_path):
+    """Two variants of a miniature model, 1 step each; the table and its BENCHMARKS.md section render."""
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text("# Benchmarks\n")
+    argv = ["--dim", "64", "--layers", "1", "--vocab", "256", "--seq-len", "32", "--steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/memory.py"), *argv, "--variants", "baseline,unsharded"]
+        + ["--markdown", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| baseline |" in proc.stdout and "| unsharded |" in proc.stdout
+    assert "## Memory options: accumulation, offload, activations" in report.read_text()
+
+
 def test_cli_startup_benchmark_runs(tmp_path):
     """One rep of every command; the table has a row for each and the report lands in its own section."""
     report = tmp_path / "BENCHMARKS.md"

@@ -98,22 +98,35 @@ def test_gpt2_block_measured_matches_korthikanti_reference():
 ARGS = LlamaArgs(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=704, vocab_size=512, max_seq_len=128)
 
 
-def _llama_block(dtype):
+def _llama_block(dtype, lean: bool = True):
     torch.manual_seed(0)
-    block = TransformerBlock(ARGS).to(dtype)
+    block = TransformerBlock(ARGS, lean_activations=lean).to(dtype)
     cos, sin = precompute_rope(ARGS.head_dim, ARGS.max_seq_len, ARGS.rope_theta)
     return block, cos, sin
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["before", "lean"])
 @pytest.mark.parametrize("dtype,elem", [(torch.bfloat16, 2), (torch.float32, 4)])
-def test_llama_block_activation_bytes_measured(dtype, elem):
-    block, cos, sin = _llama_block(dtype)
+def test_llama_block_activation_bytes_measured(dtype, elem, lean):
+    """Before (lean_activations=False) and after the reductions (unrepeated GQA k/v, SiLU recomputed)."""
+    block, cos, sin = _llama_block(dtype, lean)
     b, s = 2, 128
     x = torch.randn(b, s, ARGS.dim, dtype=dtype, requires_grad=True)
+    out = block(x, cos[:s], sin[:s])
     measured = _saved_bytes(block, lambda: block(x, cos[:s], sin[:s]))
     rope_tables = cos.nbytes + sin.nbytes  # shared by every layer, built once per model
-    predicted = layer_activation_bytes_per_token(ARGS, elem, 1, "none", fused_norm=False) * b * s
+    predicted = layer_activation_bytes_per_token(ARGS, elem, 1, "none", fused_norm=False, lean=lean) * b * s
     assert measured - rope_tables == predicted
+    # the same function either way: outputs and input gradients of the lean block equal the plain block's
+    plain, _, _ = _llama_block(dtype, lean=False)
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = plain(x2, cos[:s], sin[:s])
+    # bf16: flash attention sums the grouped heads' k/v gradients in fp32, the repeat's backward in bf16
+    tol = {"atol": 5e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(out, ref, **tol)
+    out.float().square().sum().backward()
+    ref.float().square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **tol)
 
 
 def test_llama_block_full_checkpoint_keeps_only_the_input():
@@ -159,33 +172,42 @@ def test_llama_block_selective_checkpoint_keeps_matmul_and_attention_outputs():
     assert measured == layer_activation_bytes_per_token(ARGS, 2, 1, "selective") * b * s
 
 
-def test_output_layer_and_loss_saved_bytes_measured():
+@pytest.mark.parametrize("chunked", [False, True], ids=["before", "chunked"])
+@pytest.mark.parametrize("dtype,elem", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_output_layer_and_loss_saved_bytes_measured(dtype, elem, chunked, monkeypatch):
+    """The trainer's loss (models/loss.py), whole (fp32 log-softmax kept) and in chunks (logits kept only)."""
+    import scaletrain.models.loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_TOKENS", 48)  # 128 tokens: 3 chunks, the last one short
     torch.manual_seed(0)
-    norm, out = nn.RMSNorm(ARGS.dim).to(torch.bfloat16), nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)
-    out = out.to(torch.bfloat16)
+    norm, out = nn.RMSNorm(ARGS.dim).to(dtype), nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)
+    out = out.to(dtype)
     head = nn.Sequential(norm, out)
     b, s = 2, 64
-    x = torch.randn(b, s, ARGS.dim, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(b, s, ARGS.dim, dtype=dtype, requires_grad=True)
     target = torch.randint(0, ARGS.vocab_size, (b, s))
 
-    def run():
-        logits = head(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="sum")
-
-    measured = _saved_bytes(head, run) - target.nbytes  # the target exists anyway; counted in the prediction
-    predicted = output_layer_saved_bytes_per_token(ARGS, 2, 1, fused_norm=False) * b * s - 8 * b * s
+    measured = _saved_bytes(head, lambda: loss_mod.token_loss_sum(head(x), target, chunked))
+    measured -= target.nbytes  # the target exists anyway; counted in the prediction
+    predicted = output_layer_saved_bytes_per_token(ARGS, elem, 1, False, chunked) * b * s - 8 * b * s
     assert measured == pytest.approx(float(predicted), abs=64)  # nll_loss's scalar total_weight
+    whole = loss_mod.token_loss_sum(head(x), target, chunked=False)
+    torch.testing.assert_close(loss_mod.token_loss_sum(head(x), target, chunked), whole)
 
 
-def test_llama_8b_block_is_44_h_not_gpt_34_h():
+def test_llama_8b_block_is_44_h_plain_and_megatrons_34_h_lean():
     from scaletrain.models import preset_spec
 
     a = preset_spec("llama-8b").shape()
-    per_token = float(layer_activation_bytes_per_token(a, 2, 1, "none", fused_norm=True))
+    per_token = float(layer_activation_bytes_per_token(a, 2, 1, "none", fused_norm=True, lean=False))
     assert per_token == 16 * a.dim + 8 * a.ffn_dim + 4 * a.n_heads + 8
     assert round(per_token / a.dim) == 44
+    kv = a.n_kv_heads * a.head_dim
+    lean = float(layer_activation_bytes_per_token(a, 2, 1, "none", fused_norm=True))
+    assert lean == 12 * a.dim + 4 * kv + 6 * a.ffn_dim + 4 * a.n_heads + 8
+    assert round(lean / a.dim) == 34  # Megatron's 34·s·b·h for GPT's block
     # tensor parallel with sequence parallel shards everything but the gathered linear inputs (2 x h x 2 bytes)
-    t8 = float(layer_activation_bytes_per_token(a, 2, 8, "none"))
+    t8 = float(layer_activation_bytes_per_token(a, 2, 8, "none", lean=False))
     assert t8 == pytest.approx((per_token - 4 * a.dim) / 8 + 4 * a.dim)
 
 

@@ -101,6 +101,7 @@ def setup(
     tp: int = 1,
     tp_plan: TPPlan | None = None,
     spec: ModelSpec | None = None,
+    fsdp_accumulate: Literal["sharded", "unsharded"] = "sharded",
     grad_clip: float = 0.0,
     device: Literal["auto", "cpu", "cuda"] = "auto",
     timeout_s: float = 600.0,
@@ -115,6 +116,8 @@ def setup(
     {module path pattern: torch ParallelStyle} or a callable(model) -> that dict; None: the plan of `spec` (a
     scaletrain ModelSpec of this model), else one found by structure.
     precision: compute dtype; master weights and optimizer states stay fp32; fp16 adds loss scaling.
+    fsdp_accumulate: under FSDP/HSDP, 'sharded' reduce-scatters even inside accumulate(sync=False), keeping
+    gradients sharded (memory / ranks); 'unsharded' holds whole gradients until sync=True.
     grad_clip: max global L2 norm of the gradients (0: no clipping). Every rank must build the same initial weights
     (seed before building the model). Returns job with .model, .optimizer, .device, .rank, .world_size, .dp_rank,
     .autocast(), .accumulate(sync), .backward(loss), .step(), .save(dir, extra), .load(dir), .loader(dataset, ...).
@@ -130,6 +133,9 @@ def setup(
     )
     if any(id(p) not in names for p in laid_out.module.parameters()):
         optimizer = rebind_optimizer(optimizer, names, laid_out.module)
-    job = cast(SetupJob, SetupJob.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip))
+    job = cast(
+        SetupJob,
+        SetupJob.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip, fsdp_accumulate=fsdp_accumulate),
+    )
     job.model_spec = spec
     return job

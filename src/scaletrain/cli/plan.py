@@ -212,7 +212,8 @@ def _print_plan(result, top_lines, alt_lines, advice, budget, pinned=None, evalu
     top = result.rows[0]
     con.print(
         f"[bold]memory of {'#1' if not evaluated else 'this layout'} per GPU[/]: "
-        + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0)
+        + " · ".join(f"{k} {_gb(v)} GB" for k, v in top.memory.items() if v > 0),
+        soft_wrap=True,  # one line, never broken inside a line's name
     )
     con.print(f"[bold]run {'#1' if not evaluated else 'it'} with[/]: " + top.layout.as_overrides())
     con.print("[bold]why #1[/]:" if not evaluated else "[bold]this layout[/]:")

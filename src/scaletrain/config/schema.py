@@ -157,6 +157,17 @@ class ParallelConfig(Section):
     fsdp_reshard_after_forward: bool = Field(
         True, description="False keeps gathered params from forward to backward (ZeRO-2-like)"
     )
+    fsdp_accumulate: Literal["sharded", "unsharded"] = Field(
+        "sharded",
+        description="FSDP/HSDP gradient accumulation: sharded reduce-scatters every micro-batch into the sharded "
+        "fp32 gradient (1/dp_shard of the memory); unsharded keeps full fp32 gradients until the last micro-batch "
+        "(one reduce-scatter per step: faster for small models). Pipelines (pp > 1) always accumulate unsharded",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="FSDP/HSDP: keep sharded parameters, gradients and optimizer states in host memory "
+        "(FSDP2 CPUOffloadPolicy; the optimizer steps on the CPU)",
+    )
     ddp_bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size, MiB")
     # tensor parallel
     sequence_parallel: bool = Field(

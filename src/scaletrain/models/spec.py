@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+LOSS_CHUNK_TOKENS = 1024  # tokens per cross-entropy chunk (models/loss.py); the planner counts one chunk
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """The shape of a decoder-only transformer as the planner counts it (untied input and output embeddings)."""

@@ -99,8 +99,14 @@ def _parallelize(
             parallel.fsdp_reshard_after_forward,
             spec,
             shard,
+            parallel.cpu_offload,
         )
-        _materialize(model, device, init_fn)
+        if parallel.cpu_offload:  # the shards live in host memory; buffers (rotary tables) still go to the device
+            _materialize(model, torch.device("cpu"), init_fn)
+            for buf in model.buffers():
+                buf.data = buf.data.to(device)
+        else:
+            _materialize(model, device, init_fn)
         return model, loss_parallel
     _materialize(model, device, init_fn)
     if dims.mode == "ddp":

@@ -32,14 +32,17 @@ def apply_fsdp(
     reshard_after_forward: bool,
     spec: ModelSpec | None = None,
     shard: ShardRule | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard `model` in place: each unit of `fsdp_units(model, spec, shard)`, then the root.
 
     With a compute dtype below fp32, every BatchNorm becomes its own unit computing in fp32 (its running
     statistics are fp32 buffers, which batch_norm will not mix with bf16/fp16 weights), its output cast back to the
     compute dtype. Running statistics stay per rank (not synchronised), as DDP without buffer broadcast.
+    cpu_offload: FSDP2's CPUOffloadPolicy on every unit (sharded parameters, gradients and optimizer states in host
+    memory, pinned when there is a GPU to copy to).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     dp_mesh = fsdp_mesh(dims, mesh)
     if dtype == MASTER_DTYPE:
@@ -50,8 +53,11 @@ def apply_fsdp(
         norms = _batch_norms(model)
         fp32 = DTYPES[MASTER_DTYPE]
         norm_mp = MixedPrecisionPolicy(param_dtype=fp32, reduce_dtype=fp32, output_dtype=DTYPES[dtype])
-        for norm in norms:  # leaves: safe to shard before any unit that holds them
-            fully_shard(norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    for norm in norms:  # leaves: safe to shard before any unit that holds them
+        fully_shard(
+            norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     done = {id(m) for m in norms}
     for unit in fsdp_units(model, spec, shard):
         if isinstance(unit, list):
@@ -60,9 +66,11 @@ def apply_fsdp(
                 continue
         elif id(unit) in done:
             continue
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
     # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return model
 
 

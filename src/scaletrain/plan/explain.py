@@ -45,10 +45,16 @@ def explain_top(result: PlanResult) -> list[str]:
         f"Compute is {compute:.0%} of the step, exposed communication {top.comm_share:.0%}, "
         f"pipeline bubble {top.bubble_share:.0%}{host}."
     )
-    if lay.dp_shard > 1 and lay.accumulation > 1:
+    if lay.dp_shard > 1 and lay.accumulation > 1 and lay.pp > 1:
         out.append(
-            f"FSDP2 keeps unsharded fp32 gradients while accumulating {lay.accumulation} micro-batches "
-            f"({_gb(top.memory['gradients'])}); reducing every micro-batch would free most of it."
+            f"torch's pipeline schedule keeps unsharded fp32 gradients while accumulating {lay.accumulation} "
+            f"micro-batches ({_gb(top.memory['gradients'])})."
+        )
+    elif lay.dp_shard > 1 and lay.accumulation > 1:
+        out.append(
+            f"FSDP2 reduce-scatters each of the {lay.accumulation} micro-batches into sharded fp32 gradients "
+            f"({_gb(top.memory['gradients'])}); parallel.fsdp_accumulate=unsharded holds whole ones instead "
+            f"(one reduce-scatter per step)."
         )
     if lay.tp > 1:
         out.append(_link_phrase(result, lay.tp) + ".")

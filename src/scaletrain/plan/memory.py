@@ -5,17 +5,20 @@ Two kinds of functions live here:
   published numbers;
 - the model of what scaletrain's trainer actually allocates for its Llama block: fp32 master weights, fp32
   gradients and AdamW states (precision.dtype is the compute dtype only), FSDP2 gathering one block at a time with
-  the root (embeddings, output) kept gathered, accumulation without gradient sync, activation bytes counted from
-  the tensors the block saves for backward (tests measure them).
+  the root (embeddings, output) kept gathered, accumulation into sharded gradients (parallel.fsdp_accumulate;
+  torch's pipeline schedules accumulate unsharded), optional CPU offload of the shards, activation bytes counted
+  from the tensors the block saves for backward (tests measure them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from scaletrain.config.precisions import PRECISIONS
 from scaletrain.hardware.cluster import Cluster
-from scaletrain.models.spec import DecoderShape
+from scaletrain.models.spec import LOSS_CHUNK_TOKENS, DecoderShape
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.pipeline import activations_in_flight, schedule_column, v_shaped
 from scaletrain.plan.shapes import layout_columns, rank_params
@@ -38,6 +41,27 @@ MEMORY_LINES = (
     "CUDA context",
     "fragmentation",
 )
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Trainer options that change memory but are not searched as layout columns (config fields in brackets)."""
+
+    fsdp_accumulate: str = "sharded"  # [parallel.fsdp_accumulate] sharded | unsharded
+    cpu_offload: bool = False  # [parallel.cpu_offload] FSDP2 shards, gradients and AdamW states in host memory
+    # the built-in Llama's unrepeated GQA k/v and recomputed SiLU, and the chunked cross-entropy (both default on)
+    lean_activations: bool = True
+
+
+DEFAULT_MEMORY_OPTIONS = MemoryOptions()
+
+
+def holds_unsharded_grads(fsdp, pp, accumulation, fsdp_accumulate: str = "sharded"):
+    """Whether FSDP2 keeps whole (unsharded, fp32) gradients across micro-batches: when accumulating without
+    gradient sync (fsdp_accumulate="unsharded"), and always inside torch's pipeline schedules, whose stages
+    call set_requires_gradient_sync(False) until their last backward."""
+    m = np.asarray(accumulation)
+    return np.asarray(fsdp) & (m > 1) & ((fsdp_accumulate == "unsharded") | (np.asarray(pp) > 1))
 
 
 # ------------------------------------------------------------------------------------------ reference formulas
@@ -103,13 +127,18 @@ def rmsnorm_saved_bytes_per_token(h: int, elem_bytes, fused: bool = True):
     return (elem_bytes * h + 4.0) if fused else (8.0 * h + 4.0)
 
 
-def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: str = "none", fused_norm: bool = True):
+def layer_activation_bytes_per_token(
+    args: DecoderShape, elem_bytes, tp=1, ac: str = "none", fused_norm: bool = True, lean: bool = True
+):
     """Bytes one Llama block (RMSNorm, GQA attention through SDPA/flash, SwiGLU) keeps for backward per token.
 
     Counted from the tensors autograd saves (tests measure them on CPU):
-    none: 2 norms + 2 norm outputs (linear inputs) + q, repeated k, repeated v, attention output (4 × h)
-          + log-sum-exp (fp32 per head) + SwiGLU's gate, SiLU output, up and product (4 × ffn).
+    none, lean=False: 2 norms + 2 norm outputs (linear inputs) + q, repeated k, repeated v, attention output
+          (4 × h) + log-sum-exp (fp32 per head) + SwiGLU's gate, SiLU output, up and product (4 × ffn).
           bf16, fused norms: 16h + 8·ffn + 4a + 8 bytes (44·h for Llama 3 8B; GPT-2's block is 34·h).
+    none, lean=True (the model's default, models/llama/model.py): k and v unrepeated (2 × kv instead of 2 × h;
+          not on CUDA fp32, whose SDPA kernel needs them repeated) and SiLU recomputed (3 × ffn):
+          bf16, fused norms: 12h + 4·kv + 6·ffn + 4a + 8 bytes (34·h for Llama 3 8B, Megatron's 34·s·b·h).
     selective: save only matmul and attention outputs and the block input, recompute norms, RoPE, repeats, SiLU
           (op-level selective checkpointing): e·(5h + 2·kv + 2·ffn) + 4a.
     full: the block input only, e·h.
@@ -128,7 +157,11 @@ def layer_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, ac: s
     if ac != "none":
         raise ValueError(f"activation checkpointing must be none, selective or full (got {ac!r})")
     norm = rmsnorm_saved_bytes_per_token(args.dim, e, fused_norm)
-    return 2 * norm / t + 2 * e * h + 4 * e * h / t + 4 * a / t + 4 * e * f / t
+    # fused_norm=False stands for the CPU, where SDPA takes unrepeated k/v in every dtype
+    gqa = lean & ((e < 4) | (not fused_norm))
+    attention = np.where(gqa, 2 * e * h / t + 2 * e * kv_local, 4 * e * h / t)
+    swiglu = (3 if lean else 4) * e * f / t
+    return 2 * norm / t + 2 * e * h + attention + 4 * a / t + swiglu
 
 
 def cp_extra_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp, cp, ac_code):
@@ -152,21 +185,38 @@ def cp_mask_bytes(seq_len: int, cp, elem_bytes):
     return np.asarray(elem_bytes, dtype=np.float64) * (seq_len / np.asarray(cp, dtype=np.float64)) * seq_len
 
 
-def output_layer_saved_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, fused_norm: bool = True):
+def _chunked_loss(tp, chunked: bool):
+    """Whether cross-entropy runs in chunks (models/loss.py): on plain logits; vocabulary-sharded DTensor logits
+    (loss parallelism, tp > 1) keep torch's sharded kernel."""
+    return chunked & (np.asarray(tp) == 1)
+
+
+def output_layer_saved_bytes_per_token(
+    args: DecoderShape, elem_bytes, tp=1, fused_norm: bool = True, chunked_loss: bool = True
+):
     """Bytes the final norm, output projection and cross-entropy save for backward per token: norm, the
-    projection's input, fp32 log-softmax output (vocabulary sharded with loss parallelism), int64 target."""
+    projection's input, int64 target, and the fp32 log-softmax output (vocabulary sharded with loss parallelism)
+    or, with the chunked loss, only the logits in the compute dtype."""
     e = np.asarray(elem_bytes, dtype=np.float64)
     t = np.asarray(tp, dtype=np.float64)
     h, v = float(args.dim), float(args.vocab_size)
-    return rmsnorm_saved_bytes_per_token(args.dim, e, fused_norm) / t + e * h + 4.0 * v / t + 8.0
+    logits = np.where(_chunked_loss(tp, chunked_loss), e * v, 4.0 * v / t)
+    return rmsnorm_saved_bytes_per_token(args.dim, e, fused_norm) / t + e * h + logits + 8.0
 
 
-def output_layer_transient_bytes_per_token(args: DecoderShape, elem_bytes, tp=1):
-    """Short-lived bytes at the loss per token on top of what is saved: the logits in the compute dtype and their
-    fp32 copy (or, in backward, their gradients) — the trainer computes cross-entropy on logits.float()."""
+def output_layer_transient_bytes_per_token(args: DecoderShape, elem_bytes, tp=1, chunked_loss: bool = True):
+    """Short-lived bytes at the loss per token on top of what is saved: unchunked, the logits in the compute dtype
+    and their fp32 copy (or, in backward, their gradients); chunked, the logits' gradient in the compute dtype
+    (one chunk's fp32 working set is loss_chunk_bytes)."""
     e = np.asarray(elem_bytes, dtype=np.float64)
     v = float(args.vocab_size) / np.asarray(tp, dtype=np.float64)
-    return e * v + np.where(e < 4, 4.0 * v, 0.0)
+    return np.where(_chunked_loss(tp, chunked_loss), e * v, e * v + np.where(e < 4, 4.0 * v, 0.0))
+
+
+def loss_chunk_bytes(args: DecoderShape, tokens, tp=1, chunked_loss: bool = True):
+    """One loss chunk's fp32 logits and log-softmax (forward, and again when backward recomputes it), bytes."""
+    chunk = np.minimum(np.asarray(tokens, dtype=np.float64), LOSS_CHUNK_TOKENS)
+    return np.where(_chunked_loss(tp, chunked_loss), 8.0 * float(args.vocab_size) * chunk, 0.0)
 
 
 def trainer_model_state_bytes(
@@ -178,14 +228,33 @@ def trainer_model_state_bytes(
     stages_per_rank: int = 1,
     v_shaped: bool = False,
     pp_rank: int | None = None,
+    accumulation: int = 1,
+    fsdp_accumulate: str = "sharded",
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and AdamW states as scaletrain's trainer keeps them, on pipeline rank
     `pp_rank` (None: the rank that holds the most), stages split as the trainer splits them for seq_len-token
     samples: all fp32 (the compute dtype only changes gathered copies), FSDP2 sharding dim 0 of every tensor;
-    optimizer states are exp_avg and exp_avg_sq plus one fp32 step counter per tensor."""
-    per_rank = rank_params(args, tp, pp, dp_shard, seq_len, stages_per_rank if pp > 1 else 1, v_shaped)
-    numel, tensors = max(per_rank) if pp_rank is None else per_rank[pp_rank]
-    return {"parameters": 4.0 * numel, "gradients": 4.0 * numel, "optimizer states": 8.0 * numel + 4.0 * tensors}
+    optimizer states are exp_avg and exp_avg_sq plus one fp32 step counter per tensor.
+    gradients: the most the rank holds during a step of `accumulation` micro-batches: the sharded fp32 gradient,
+    or FSDP2's whole fp32 gradients where it accumulates unsharded (holds_unsharded_grads)."""
+    v = stages_per_rank if pp > 1 else 1
+    per_rank = rank_params(args, tp, pp, dp_shard, seq_len, v, v_shaped)
+    rank = max(range(pp), key=lambda r: per_rank[r]) if pp_rank is None else pp_rank
+    numel, tensors = per_rank[rank]
+    grads = 4.0 * numel
+    if holds_unsharded_grads(dp_shard > 1, pp, accumulation, fsdp_accumulate):
+        grads = 4.0 * rank_params(args, tp, pp, 1, seq_len, v, v_shaped)[rank][0]
+    return {"parameters": 4.0 * numel, "gradients": grads, "optimizer states": 8.0 * numel + 4.0 * tensors}
+
+
+def offload_traffic_bytes(n_local, accumulation, unsharded_grads, reshard_after_forward: bool = True):
+    """Host<->device bytes per optimizer step and rank under CPU offload: each micro-batch copies the fp32 shard
+    of every parameter to the device before each all-gather (forward, and backward again when blocks reshard
+    after forward) and its reduced fp32 gradient shard back (once per step when accumulating unsharded)."""
+    m = np.asarray(accumulation, dtype=np.float64)
+    gathers = 2.0 if reshard_after_forward else 1.0
+    grad_copies = np.where(unsharded_grads, 1.0, m)
+    return 4.0 * np.asarray(n_local) * (m * gathers + grad_copies)
 
 
 # ---------------------------------------------------------------------------------------- per-layout breakdown
@@ -194,8 +263,10 @@ def memory_breakdown(
     grid: LayoutGrid,
     cluster: Cluster,
     cols: dict | None = None,
+    options: MemoryOptions = DEFAULT_MEMORY_OPTIONS,
 ) -> dict[str, np.ndarray]:
-    """Bytes per rank on the busiest rank for every layout of the grid, one array per line of MEMORY_LINES."""
+    """Bytes per rank on the busiest rank for every layout of the grid, one array per line of MEMORY_LINES.
+    With options.cpu_offload, FSDP layouts keep their shards in host memory: see host_bytes_per_node."""
     args = work.args
     cols = cols if cols is not None else layout_columns(work, grid)
     e = np.asarray([p.element_bytes for p in PRECISIONS], dtype=np.float64)[grid.precision]
@@ -205,11 +276,20 @@ def memory_breakdown(
     on_gpu = cluster.gpu.name != "cpu"
 
     lines: dict[str, np.ndarray] = {}
-    lines["parameters"] = 4.0 * cols["n_local"]
-    # accumulation without gradient sync keeps FSDP2's unsharded gradients (reduce dtype fp32) until the last one
-    lines["gradients"] = np.where(fsdp & (m > 1), 4.0 * cols["n_tp"], 4.0 * cols["n_local"])
-    lines["optimizer states"] = 8.0 * cols["n_local"] + 4.0 * cols["n_tensors"]
-    gathered_fsdp = e * (2 * cols["layer_tp"] + cols["root_tp"]) + np.where(m > 1, 0.0, (e + 4) * cols["layer_tp"])
+    unsharded = holds_unsharded_grads(fsdp, grid.pp, m, options.fsdp_accumulate)
+    offloaded = fsdp & options.cpu_offload  # shards, sharded gradients and AdamW states live on the host
+    lines["parameters"] = np.where(offloaded, 0.0, 4.0 * cols["n_local"])
+    # unsharded accumulation keeps FSDP2's whole gradients (reduce dtype fp32, on the device) until the last one
+    lines["gradients"] = np.where(unsharded, 4.0 * cols["n_tp"], np.where(offloaded, 0.0, 4.0 * cols["n_local"]))
+    lines["optimizer states"] = np.where(offloaded, 0.0, 8.0 * cols["n_local"] + 4.0 * cols["n_tensors"])
+    # two blocks gathered (one computing, one prefetched) + the root; a block's whole gradient in the compute dtype
+    # and its fp32 reduce copy while it is reduce-scattered, unless whole gradients are already counted above.
+    # torch's pipeline stages skip resharding after backward: the whole stage stays gathered
+    gathered_fsdp = np.where(
+        grid.pp > 1,
+        e * cols["n_tp"],
+        e * (2 * cols["layer_tp"] + cols["root_tp"]) + np.where(unsharded, 0.0, (e + 4) * cols["layer_tp"]),
+    )
     autocast_copies = np.where(e < 4, e * cols["n_tp"], 0.0)  # autocast's cached low-precision weights (DDP)
     lines["gathered/cast weights"] = np.where(fsdp, gathered_fsdp, autocast_copies)
 
@@ -219,14 +299,15 @@ def memory_breakdown(
     for code, mode in enumerate(("none", "selective", "full")):
         sel = grid.ac == code
         if sel.any():
-            per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused)
+            per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused, options.lean_activations)
             act[sel] = per * tok[sel]  # one block's, per micro-batch
     act = act + cp_extra_activation_bytes_per_token(args, e, grid.tp, grid.cp, grid.ac) * tok
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
+    lean = options.lean_activations
     out = (
-        output_layer_saved_bytes_per_token(args, e, grid.tp, fused)
-        + output_layer_transient_bytes_per_token(args, e, grid.tp)
-    ) * tok
+        output_layer_saved_bytes_per_token(args, e, grid.tp, fused, lean)
+        + output_layer_transient_bytes_per_token(args, e, grid.tp, lean)
+    ) * tok + loss_chunk_bytes(args, tok, grid.tp, lean)
     v_shape = v_shaped(grid.schedule)  # V schedules put the first and the last chunk on the same rank
     # a schedule that holds every micro-batch's activations (GPipe) holds them on the last rank too
     last_in_flight = np.where(schedule_column("in_flight", "")[grid.schedule] == "all", m, 1.0)
@@ -237,7 +318,7 @@ def memory_breakdown(
         (grid.pp == 1) | v_shape, first, np.where(first >= last, first, act * cols["layers_head"] * last_in_flight)
     ) + np.where(grid.cp > 1, cp_mask_bytes(work.seq_len, grid.cp, e), 0.0)
     lines["output layer + loss"] = np.where((grid.pp == 1) | v_shape | (last > first), out, 0.0)
-    one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused) * tok
+    one_layer = layer_activation_bytes_per_token(args, e, grid.tp, "none", fused, lean) * tok
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)
 
     groups = (grid.dp_replicate > 1).astype(float) + fsdp + (grid.tp > 1) + (grid.pp > 1) + (grid.cp > 1)
@@ -251,6 +332,21 @@ def memory_breakdown(
     )
     lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
     return lines
+
+
+def host_bytes_per_node(
+    work: Workload,
+    grid: LayoutGrid,
+    cluster: Cluster,
+    cols: dict | None = None,
+    options: MemoryOptions = DEFAULT_MEMORY_OPTIONS,
+) -> np.ndarray:
+    """Host memory per node that CPU offload takes, bytes: every local rank's fp32 shards, sharded gradients
+    and AdamW states (0 where nothing is offloaded)."""
+    cols = cols if cols is not None else layout_columns(work, grid)
+    per_rank = 16.0 * cols["n_local"] + 4.0 * cols["n_tensors"]
+    offloaded = (grid.dp_shard > 1) & options.cpu_offload
+    return np.where(offloaded, per_rank * min(cluster.gpus_per_node, cluster.gpus), 0.0)
 
 
 def total_bytes(lines: dict[str, np.ndarray]) -> np.ndarray:

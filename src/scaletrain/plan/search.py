@@ -17,7 +17,7 @@ from scaletrain.hardware.cluster import Cluster
 from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.config.schedules import SCHEDULE_NAMES
 from scaletrain.plan.layout import AC_MODES, Layout, LayoutGrid, Workload
-from scaletrain.plan.memory import MEMORY_LINES, memory_breakdown, total_bytes
+from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MEMORY_LINES, MemoryOptions, memory_breakdown, total_bytes
 from scaletrain.plan.pin import Pins
 from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code, schedule_column
 from scaletrain.plan.shapes import layout_columns, params_per_rank
@@ -202,11 +202,13 @@ def search_layouts(work: Workload, cluster: Cluster, opts: SearchOptions | None 
     return result
 
 
-def evaluate_layout(work: Workload, cluster: Cluster, layout: Layout) -> PlanRow:
-    """Predictions for one given layout (fitting or not)."""
+def evaluate_layout(
+    work: Workload, cluster: Cluster, layout: Layout, options: MemoryOptions = DEFAULT_MEMORY_OPTIONS
+) -> PlanRow:
+    """Predictions for one given layout (fitting or not); `options`: the trainer's memory options."""
     grid = LayoutGrid.of([layout])
     cols = layout_columns(work, grid)
-    mem = memory_breakdown(work, grid, cluster, cols)
-    tim = time_breakdown(work, grid, cluster, cols)
+    mem = memory_breakdown(work, grid, cluster, cols, options)
+    tim = time_breakdown(work, grid, cluster, cols, options)
     res = PlanResult(work, cluster, [], 1, 0, 0.0, grid, total_bytes(mem), step_seconds(tim), mem, tim)
     return res.row_at(0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
+from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MemoryOptions, holds_unsharded_grads
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
 from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds
 from scaletrain.config.precisions import PRECISIONS
@@ -40,7 +41,7 @@ ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, 
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
 # counts them again with a TorchDispatchMode); checkpointed blocks re-run their forward inside backward
-OPS_PER_BLOCK = {"none": (96, 152), "selective": (102, 298), "full": (93, 305)}
+OPS_PER_BLOCK = {"none": (88, 151), "selective": (94, 287), "full": (85, 294)}
 OPS_ROOT = (17, 34)
 
 TIME_LINES = (
@@ -76,8 +77,10 @@ def time_breakdown(
     grid: LayoutGrid,
     cluster: Cluster,
     cols: dict | None = None,
+    options: MemoryOptions = DEFAULT_MEMORY_OPTIONS,
 ) -> dict[str, np.ndarray]:
-    """Seconds per optimizer step for every layout, one array per line of TIME_LINES (they add up to the step)."""
+    """Seconds per optimizer step for every layout, one array per line of TIME_LINES (they add up to the step).
+    options.fsdp_accumulate="sharded" adds a gradient reduce-scatter to every micro-batch, not only the last."""
     args = work.args
     s = work.seq_len
     cols = cols if cols is not None else layout_columns(work, grid)
@@ -165,6 +168,13 @@ def time_breakdown(
         + last_reduce,
         0.0,
     )
+    # sharded accumulation reduces every micro-batch: the other m - 1 expose what backward cannot hide
+    sharded = fsdp & ~holds_unsharded_grads(fsdp, grid.pp, grid.accumulation, options.fsdp_accumulate)
+    fsdp_reduce_mb = np.where(
+        sharded,
+        np.maximum(0.0, gather_bwd + rs + hsdp_ar - bwd_compute) - np.maximum(0.0, gather_bwd - bwd_compute),
+        0.0,
+    )
     # DDP all-reduces one bucket of DDP_BUCKET_CAP_BYTES at a time, each paying the latency
     buckets = np.ceil(4.0 * cols["n_tp"] / DDP_BUCKET_CAP_BYTES)
     ddp_ar = collective_seconds("all_reduce", 4.0 * cols["n_tp"], dpr, tp * cp, cluster) + (
@@ -196,7 +206,7 @@ def time_breakdown(
         "tp comm": m * tp_mb,
         "cp comm": m * cp_mb,
         "pp p2p": m * pp_mb,
-        "dp comm exposed": m * fsdp_mb + fsdp_last + ddp_last,
+        "dp comm exposed": m * fsdp_mb + (m - 1.0) * fsdp_reduce_mb + fsdp_last + ddp_last,
         "bubble": m * mb * ratio,
         "optimizer": optimizer,
     }

@@ -109,6 +109,9 @@ class Job:
     pipeline: Pipeline | None = None  # the schedule running this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits are vocabulary-sharded: loss and backward under loss_parallel()
     context: ContextParallel | None = None  # cp > 1: each rank feeds its part of every sequence (shard_sequence)
+    # FSDP/HSDP accumulation: "sharded" reduce-scatters every micro-batch into the sharded gradient (memory / N),
+    # "unsharded" keeps whole fp32 gradients until the last one (one reduce-scatter per step)
+    fsdp_accumulate: str = "sharded"
     _params: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -123,6 +126,7 @@ class Job:
         grad_clip: float = 0.0,
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 2000,
+        fsdp_accumulate: str = "sharded",
     ) -> Job:
         """The Job of a model apply_parallelism laid out on `mesh`: this rank's data-parallel coordinate, the loss
         scaler its precision needs, and how its step runs (pipeline, loss parallel) come from the layout."""
@@ -142,6 +146,7 @@ class Job:
             pipeline=model.pipeline,
             loss_parallel=model.loss_parallel,
             context=model.context,
+            fsdp_accumulate=fsdp_accumulate,
         )
 
     def __post_init__(self) -> None:
@@ -167,8 +172,9 @@ class Job:
 
     @contextlib.contextmanager
     def accumulate(self, sync: bool = True):
-        """Forward + backward inside this context reduce gradients across ranks only when sync is True.
-        Under pipeline parallelism the schedule itself holds the reduction until the last micro-batch."""
+        """Forward + backward inside this context reduce gradients across ranks only when sync is True, except
+        under FSDP/HSDP with fsdp_accumulate="sharded", which reduce-scatters every micro-batch into the sharded
+        gradient. Under pipeline parallelism the schedule itself holds the reduction until the last micro-batch."""
         if self.dims.pp > 1:
             yield
             return
@@ -178,7 +184,7 @@ class Job:
                 yield
             return
         if self.dims.mode in ("fsdp", "hsdp"):
-            model.set_requires_gradient_sync(sync)
+            model.set_requires_gradient_sync(sync or self.fsdp_accumulate == "sharded")
         yield
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -93,6 +93,16 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     """Layouts that cannot run, refused before launch with one line naming the field: TP degrees that do not
     split the heads or matmuls, more pipeline stages than layers, combinations torch does not support."""
     p = cfg.parallel
+    if p.cpu_offload and dims.mode not in ("fsdp", "hsdp"):
+        raise ValueError(
+            f"parallel.cpu_offload: offloads FSDP2's shards, but this layout is {dims.mode} (dp_shard="
+            f"{dims.dp_shard}); shard with parallel.dp_shard > 1 or set parallel.cpu_offload=false"
+        )
+    if p.cpu_offload and dims.pp > 1:
+        raise ValueError(
+            "parallel.cpu_offload: not combined with pipeline parallelism (torch's pipeline schedules keep stages "
+            "unsharded on the device); use parallel.pp=1 or parallel.cpu_offload=false"
+        )
     if dims.tp > 1:
         if dims.mode == "ddp":
             raise ValueError(

@@ -12,6 +12,7 @@ sequences (Job.shard_sequence), and the same sum still counts every token once.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,10 +63,18 @@ def _whole(micro_batches: list[Batch], job: Job) -> tuple[torch.Tensor, torch.Te
     return job.shard_sequence(inputs), job.shard_sequence(targets)
 
 
-def forward_backward(job: Job, micro_batches: list[Batch], loss_scale: float, timer=NULL_TIMER) -> torch.Tensor:
+def forward_backward(
+    job: Job,
+    micro_batches: list[Batch],
+    loss_scale: float,
+    timer=NULL_TIMER,
+    after_backward: Callable[[int], None] | None = None,
+) -> torch.Tensor:
     """Accumulate gradients of loss_scale × summed token loss over the micro-batches, reducing gradients across
-    ranks only on the last one. Returns this rank's share of the summed token loss (no sync).
-    timer: the monitor's StepTimer; its phases time forward and backward (a pipeline schedule as one "fb")."""
+    ranks on the last one (FSDP's sharded accumulation: on every one). Returns this rank's share of the summed
+    token loss (no sync).
+    timer: the monitor's StepTimer; its phases time forward and backward (a pipeline schedule as one "fb").
+    after_backward(i): called after micro-batch i's backward (not under a pipeline schedule), e.g. to measure."""
     if job.pipeline is not None:
         # the schedule splits the rank's batch into the same micro-batches and interleaves their passes
         with timer.phase("fb"), job.autocast():
@@ -77,6 +86,8 @@ def forward_backward(job: Job, micro_batches: list[Batch], loss_scale: float, ti
                 loss = token_loss_sum(job, mb.inputs, mb.targets)
             with timer.phase("backward"):
                 job.backward(loss * loss_scale)
+        if after_backward is not None:
+            after_backward(i)
         loss_sum += _local(loss.detach())
     return _owned(job, loss_sum)
 

@@ -110,6 +110,7 @@ class Trainer:
             cfg.train.grad_clip,
             cfg.precision.loss_scale_init,
             cfg.precision.loss_scale_growth_interval,
+            cfg.parallel.fsdp_accumulate,
         )
         loader, val_loader = build_loaders(cfg, resolved, job.dp_rank, job.dp_size)
         return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)

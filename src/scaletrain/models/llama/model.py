@@ -3,6 +3,10 @@
 
 Layers live in a ModuleDict keyed "0".."L-1" so parameter names stay the same when a pipeline stage keeps only
 some of them; `tok_embeddings`, `norm` and `output` may be None on stages that do not own them.
+
+lean_activations (default on) keeps less for backward at the same results: attention takes the unrepeated
+grouped-query k/v (SDPA's enable_gqa) instead of keeping repeated copies, and SwiGLU recomputes its SiLU in
+backward instead of keeping the SiLU output (plan/memory.py counts both ways; tests measure them).
 """
 
 from __future__ import annotations
@@ -33,21 +37,55 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+def _sdpa_takes_gqa(q: torch.Tensor) -> bool:
+    """Whether SDPA runs grouped-query attention on unrepeated k/v in a fused kernel: the CPU flash kernel, and
+    CUDA flash attention (16-bit). CUDA fp32 goes to the memory-efficient kernel, which does not take enable_gqa
+    and would fall back to the math path (the s x s scores kept): repeat k/v there."""
+    return q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+
+
 class CausalAttention(nn.Module):
-    """softmax(q·kᵀ/√d)·v with a causal mask over (B, H, S, D); k and v may have fewer (KV) heads, repeated here.
-    Context parallelism swaps this module for one that sees the whole sequence's keys (parallel/context_parallel.py)."""
+    """softmax(q·kᵀ/√d)·v with a causal mask over (B, H, S, D); k and v may have fewer (KV) heads: passed to SDPA
+    unrepeated (enable_gqa) where its kernel takes them and `lean` is on, else repeated here. Context parallelism
+    swaps this module for one that sees the whole sequence's keys (parallel/context_parallel.py)."""
+
+    def __init__(self, lean: bool = True):
+        super().__init__()
+        self.lean = lean
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
+        if rep > 1 and self.lean and _sdpa_takes_gqa(q):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up that saves only gate and up: SiLU (one pointwise op) is recomputed in backward instead of
+    its output being kept, ffn_dim elements per token less. Gradients are computed in fp32, as SiLU's own kernel."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        g = gate.float()
+        sig = torch.sigmoid(g)
+        silu = (g * sig).to(gate.dtype)
+        d_gate = (grad * up).float() * (sig * (1 + g * (1 - sig)))
+        return d_gate.to(gate.dtype), grad * silu
+
+
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
         super().__init__()
+        self.lean_activations = lean_activations
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
@@ -55,7 +93,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.core: nn.Module = CausalAttention()  # no parameters: names and checkpoints are unchanged
+        self.core: nn.Module = CausalAttention(lean_activations)  # no parameters: names and checkpoints are unchanged
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -73,23 +111,26 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
         super().__init__()
+        self.lean_activations = lean_activations
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lean_activations:
+            return self.w2(_SwiGLU.apply(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, lean_activations)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args, lean_activations)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -100,12 +141,12 @@ class Llama(nn.Module):
     rope_cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
     rope_sin: torch.Tensor
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
         super().__init__()
         args.check()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, lean_activations) for i in range(args.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
