@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     """Layouts that cannot run, refused before launch with one line naming the field: TP degrees that do not
     split the heads or matmuls, more pipeline stages than layers, combinations torch does not support."""
     p = cfg.parallel
+    check_fp8(cfg)
     if dims.tp > 1:
         if dims.mode == "ddp":
             raise ValueError(
@@ -153,6 +155,26 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
                 f"schedule; use bf16 with parallel.pp > 1"
             )
         pipeline_microbatches(cfg, dims)
+
+
+def check_fp8(cfg: JobConfig) -> None:
+    """fp8 runs on top of bf16 compute only: fp16's loss scaling would scale the gradients fp8 casts with its own
+    dynamic scales (torchao does not support the pair), and fp32 compute around fp8 matmuls is a combination no
+    fp8 recipe (torchao, torchtitan) trains with. Compile is allowed everywhere: inductor compiles the emulated
+    float8 blocks on CPU too (torch 2.13, torchao 0.18.0)."""
+    fp8 = cfg.precision.fp8
+    if fp8 == "none":
+        return
+    if cfg.precision.dtype != "bf16":
+        raise ValueError(
+            f"precision.fp8: {fp8} runs on top of bf16 compute, not {cfg.precision.dtype}; "
+            f"set precision.dtype=bf16 or precision.fp8=none"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(
+            f"precision.fp8: {fp8} trains through torchao, which is not installed; "
+            f"pip install 'scaletrain[fp8]' or set precision.fp8=none"
+        )
 
 
 def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
