@@ -83,13 +83,11 @@ def float8_filter(model: nn.Module, spec: ModelSpec | None, tp: int = 1) -> Call
     """Which linears convert: inside the blocks (so not the output layer), every dim divisible by 16 on each of
     the `tp` ranks (a conservative rule: whichever dim TP splits, each shard keeps a multiple of 16)."""
     found = block_container(model, spec)
-    prefix = f"{found[0]}." if found is not None and found[0] else ""
+    inside = {id(m) for m in found[1].modules()} if found is not None else set()
     multiple = FP8_DIM_MULTIPLE * tp
 
     def convert(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or found is None or not fqn.startswith(prefix):
-            return False
-        if not any(m is module for m in found[1].modules()):
+        if not isinstance(module, nn.Linear) or id(module) not in inside:
             return False
         out_features, in_features = module.weight.shape
         return out_features % multiple == 0 and in_features % multiple == 0
