@@ -167,3 +167,16 @@ def test_data_prepare_benchmark_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| scaletrain `data prepare` |" in proc.stdout and "| datasets `map` alone |" in proc.stdout
     assert "## Data prepare: tokens/s against datasets.map" in report.read_text()
+
+
+def test_fp8_benchmark_runs(tmp_path):
+    """bf16 and emulated fp8 on 2 CPU ranks, 2 steps each: the loss table and the labelled ratio print."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/fp8.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worst step loss difference" in proc.stdout and "emulated on CPU, not a speed figure" in proc.stdout

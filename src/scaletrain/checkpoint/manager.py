@@ -37,6 +37,7 @@ from scaletrain.checkpoint.manifest import (
 from scaletrain.checkpoint.safe_load import load_dcp
 from scaletrain.config.schema import CheckpointConfig
 from scaletrain.models.naming import plain_param_name
+from scaletrain.parallel.float8 import plain_weights
 from scaletrain.parallel.pipeline import PipelinedModel
 
 log = logging.getLogger("scaletrain")
@@ -73,6 +74,7 @@ def _plain_key(key: str) -> str:
 def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str, str]]:
     """Model and optimizer state dicts keyed by plain names, plus the maps back to this layout's keys."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    model_sd = plain_weights(model_sd)  # fp8: the high-precision weights, not torchao's float8 wrappers
     staged = isinstance(model, PipelinedModel)
     rename = _plain_key if staged else plain_param_name
     m_back = {rename(k): k for k in model_sd}

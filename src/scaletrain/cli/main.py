@@ -103,9 +103,10 @@ def train(
     nproc = nproc_per_node or cfg.launch.nproc_per_node or default_nproc(cfg.run.device)
     world = nproc * cfg.launch.nnodes
     try:
+        from scaletrain.parallel.float8 import check_float8_device
         from scaletrain.parallel.runtime import pick_device_type
 
-        pick_device_type(cfg.run.device)
+        check_float8_device(cfg.precision.fp8, pick_device_type(cfg.run.device))
         resolve_job(cfg, world)
         if cfg.launch.nnodes > 1 and cfg.launch.rdzv_endpoint.endswith(":0"):
             raise ValueError("launch.rdzv_endpoint: a multi-node run needs a fixed host:port every node can reach")

@@ -315,6 +315,13 @@ def _print_compare(budgets, tokens, work) -> None:
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default max(256, gpus)).")
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
 @click.option(
+    "--fp8",
+    type=click.Choice(["none", "tensorwise", "rowwise"]),
+    default="none",
+    show_default=True,
+    help="precision.fp8: bf16 layouts run the blocks' matmuls at the GPU's fp8 rate.",
+)
+@click.option(
     "--ac",
     "ac_modes",
     default="none,selective,full",
@@ -357,6 +364,7 @@ def plan(
     compare_gpus,
     usd_per_gpu_hour,
     pue,
+    fp8,
     as_json,
 ) -> None:
     """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
@@ -452,6 +460,7 @@ def plan(
             shape,
             hf_path,
         )
+        work = dataclasses.replace(work, fp8=fp8)
     except ValueError as e:
         fail(str(e))
     pins = None

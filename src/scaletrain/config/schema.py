@@ -272,6 +272,11 @@ class PrecisionConfig(Section):
     reduce_dtype: Literal[REDUCE_DTYPES] = Field(  # type: ignore[valid-type]
         "fp32", description="gradient reduction dtype (FSDP)"
     )
+    fp8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none",
+        description="FP8 matmuls in the blocks' linears (torchao float8, on top of dtype=bf16): tensorwise "
+        "(one scale per tensor; float8 FSDP all-gather) or rowwise (one scale per row); emulated on CPU",
+    )
     loss_scale_init: float = Field(2.0**16, gt=0, description="fp16: initial loss scale")
     loss_scale_growth_interval: int = Field(
         2000, gt=0, le=MAX_STEPS, description="fp16: good steps before scale doubles"

@@ -1,10 +1,12 @@
 """Applying a layout to a model, in one fixed order:
-pipeline split → context parallel → tensor (+ sequence) parallel → activation checkpointing → compile → FSDP2 / DDP.
+FP8 conversion → pipeline split → context parallel → tensor (+ sequence) parallel → activation checkpointing → compile
+→ FSDP2 / DDP.
 
 Each step works on the meta-device model; it is materialised at the right moment: after FSDP sharding (each rank
 allocates only its shard), before DDP (which broadcasts rank 0's weights at construction). TP before FSDP makes
 FSDP shard the TP shards (2-D DTensors); AC and compile wrap whole blocks before FSDP so that FSDP still sees one
-unit per block.
+unit per block. FP8 conversion comes first (as in torchtitan) so TP and FSDP shard the float8 linears' weights and
+pick their float8 styles and all-gathers (parallel/float8.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class ParallelModel:
     pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
     context: ContextParallel | None = None  # cp > 1: this rank's part of every sequence (inputs/targets sharded)
+    # run after every optimizer step (fp8 under FSDP2: precompute the float8 weight scales for the next all-gather)
+    after_optimizer_step: Callable[[], None] | None = None
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -83,7 +87,11 @@ def _parallelize(
             and spec.has_output(model)
         )
         plan = tp_styles if tp_styles is not None else parallel.tp_plan
-        apply_tensor_parallel(model, mesh["tp"], TPOptions(parallel.sequence_parallel, loss_parallel), plan, spec)
+        # float8 styles move float8 tensors through TP collectives, which gloo cannot carry ("Invalid scalar
+        # type", torch 2.13) once sequence parallelism all-gathers activations: plain styles on CPU ranks there
+        float8_styles = precision.fp8 == "tensorwise" and not (parallel.sequence_parallel and device.type != "cuda")
+        opts = TPOptions(parallel.sequence_parallel, loss_parallel, float8=float8_styles)
+        apply_tensor_parallel(model, mesh["tp"], opts, plan, spec)
     apply_activation_checkpointing(
         model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every, spec
     )
@@ -112,6 +120,30 @@ def _parallelize(
     if dims.mode == "ddp":
         return apply_ddp(model, mesh, device, parallel.ddp_bucket_cap_mb), loss_parallel
     return model, loss_parallel
+
+
+def _apply_float8(
+    model: nn.Module, spec: ModelSpec | None, dims: ParallelDims, device: torch.device, precision: PrecisionConfig
+) -> Callable[[list[nn.Module]], None] | None:
+    """Convert the blocks' linears to float8 (precision.fp8) on the whole model, before the pipeline cut; returns
+    what must run after each optimizer step (the float8 all-gather's scale precompute), if anything."""
+    if precision.fp8 == "none":
+        return None
+    from scaletrain.parallel.float8 import (
+        check_float8_device,
+        convert_to_float8,
+        precompute_float8_scales,
+        uses_float8_all_gather,
+    )
+
+    check_float8_device(precision.fp8, device.type)
+    fsdp = dims.mode in ("fsdp", "hsdp")
+    convert_to_float8(model, precision.fp8, spec, emulate=device.type != "cuda", fsdp_all_gather=fsdp, tp=dims.tp)
+    return precompute_float8_scales if uses_float8_all_gather(model) else None
+
+
+def _bind(hook: Callable[[list[nn.Module]], None] | None, modules: list[nn.Module]) -> Callable[[], None] | None:
+    return None if hook is None else lambda: hook(modules)
 
 
 def apply_parallelism(
@@ -145,12 +177,13 @@ def apply_parallelism(
         method = pick_cp_method(parallel.cp_method, device.type, spec)
         return apply_context_parallel(part, spec, mesh["cp"], device, method, seq_len)
 
+    after_step = _apply_float8(model, spec, dims, device, precision)
     if dims.pp == 1:
         context = context_parallel(model)
         module, loss_parallel = _parallelize(
             model, spec, dims, mesh, device, parallel, precision, init_fn, shard, tp_styles
         )
-        return ParallelModel(module, None, loss_parallel, context)
+        return ParallelModel(module, None, loss_parallel, context, _bind(after_step, [module]))
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
     n_stages = dims.pp * parallel.stages_per_rank
@@ -163,4 +196,4 @@ def apply_parallelism(
     pipeline = build_pipeline(
         parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches, bounds
     )
-    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False, contexts[0])
+    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False, contexts[0], _bind(after_step, parts))

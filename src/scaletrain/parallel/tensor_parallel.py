@@ -28,6 +28,7 @@ OUTPUT_NAMES = ("o_proj", "out_proj", "wo", "down_proj", "w2", "c_proj", "dense"
 class TPOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False  # output layer returns vocabulary-sharded DTensor logits
+    float8: bool = False  # float8 (tensorwise) linears get torchao's float8 styles (parallel/float8.py)
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -116,5 +117,9 @@ def apply_tensor_parallel(
         styles = auto_tp_plan(model)
     else:
         styles = spec.tp_plan(model, opts.sequence_parallel, opts.loss_parallel)
+    if opts.float8:
+        from scaletrain.parallel.float8 import float8_tp_styles
+
+        styles = float8_tp_styles(model, styles)
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
     return model

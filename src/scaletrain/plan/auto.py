@@ -96,7 +96,7 @@ def auto_plan(
             f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
             f"set the layout with parallel.* instead"
         )
-    work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size)
+    work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.fp8)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)
     p = cfg.parallel

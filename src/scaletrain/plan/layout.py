@@ -23,6 +23,8 @@ class Workload:
     args: DecoderShape
     seq_len: int
     global_batch: int
+    # precision.fp8 of the job: the blocks' matmuls of bf16 layouts run at the GPU's fp8 rate (plan/steptime.py)
+    fp8: str = "none"
 
     @property
     def tokens_per_step(self) -> int:

@@ -9,6 +9,10 @@ device lets them (GPUSpec.comm_overlap: NCCL fully, gloo on CPUs not at all); ea
 the collective latency once. TP and PP traffic is exposed. The pipeline multiplies the micro-batch time by 1 + bubble
 ratio (pipeline.py). Every micro-batch also pays the host's dispatch of its eager ops (OPS_PER_BLOCK x
 Cluster.op_overhead_s): in line on a CPU, on a GPU only where it outlasts the kernels.
+FP8 (Workload.fp8, bf16 layouts only): the blocks' weight matmuls run at the GPU's fp8 peak x the same measured
+matmul ceiling (attention, the output layer and the loss stay bf16, as parallel/float8.py converts only the blocks'
+linears), plus the casts to fp8 as memory traffic; with tensorwise scaling FSDP all-gathers those weights in fp8,
+1 byte per element instead of 2 (comm.py's volumes scale with the bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MemoryOptions, holds_unsharded_grads
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
 from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds
-from scaletrain.config.precisions import PRECISIONS
+from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
 from scaletrain.plan.pipeline import bubble_ratio, p2p_factor
@@ -37,6 +41,11 @@ POINTWISE_ELEMENTS_H, POINTWISE_ELEMENTS_FFN = 40.0, 6.0
 # unconfirmed estimate: bytes per token and vocabulary entry the loss moves, forward + backward (logits, their fp32
 # copy, log-softmax, and the gradients of each)
 LOSS_BYTES_PER_VOCAB = 24.0
+# unconfirmed estimate: fp8 casts per token of one block, forward + backward, in elements: the converted linears'
+# inputs (q/k/v and w1/w3 each cast their own copy of the hidden state unless sequence parallelism casts it once:
+# 5h, wo's h, w2's ffn), cast again along the other axis for the weight gradient, and their output gradients
+# (q 1h, k/v 2·kv, wo 1h, w1/w3 2·ffn, w2 1h); each element read twice (amax, then scale) in bf16, written in fp8
+FP8_CAST_BYTES_PER_ELEMENT = 5.0
 ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
@@ -65,6 +74,22 @@ def peak_flops(cluster: Cluster, precision) -> np.ndarray:
     return table[np.asarray(precision)]
 
 
+def fp8_matmul_rate(cluster: Cluster, precision, fp8: str) -> np.ndarray:
+    """Achievable FLOP/s of the blocks' matmuls: the fp8 peak x the matmul ceiling where fp8 is on, the layout is
+    bf16 and the GPU has fp8 (its catalog entry); otherwise matmul_rate. A calibration measures bf16 matmuls only,
+    so it scales by the datasheet's fp8/bf16 ratio. (On a CPU fp8 is emulated, in fp32: no speed-up, not modelled.)"""
+    rate = matmul_rate(cluster, precision)
+    g = cluster.gpu
+    return np.where(fp8_layouts(cluster, precision, fp8), rate * (g.fp8_flops or g.bf16_flops) / g.bf16_flops, rate)
+
+
+def fp8_layouts(cluster: Cluster, precision, fp8: str) -> np.ndarray:
+    """Which layouts run fp8 matmuls: fp8 on, bf16 compute, and a GPU with an fp8 rate in the catalog (others are
+    refused at launch, train/preflight.py)."""
+    on = fp8 != "none" and bool(cluster.gpu.fp8_flops)
+    return np.logical_and(on, np.asarray(precision) == PRECISION_NAMES.index("bf16"))
+
+
 def matmul_rate(cluster: Cluster, precision) -> np.ndarray:
     """Achievable matmul FLOP/s: measured by calibration, else peak x the GPU's measured matmul ceiling."""
     if cluster.measured_matmul_flops:
@@ -90,13 +115,20 @@ def time_breakdown(
     m = grid.accumulation.astype(np.float64)
 
     r_mm = matmul_rate(cluster, grid.precision)
+    r_block_mm = fp8_matmul_rate(cluster, grid.precision, work.fp8)
+    fp8_on = fp8_layouts(cluster, grid.precision, work.fp8)
     r_attn = r_mm * cluster.gpu.attention_efficiency / cluster.gpu.matmul_efficiency
     bw = cluster.memory_bw
     tok = grid.micro_batch * s / cp  # tokens of one micro-batch on one rank (TP ranks share them)
 
     pointwise_fwd = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp / bw
+    kv = args.n_kv_heads * args.head_dim
+    cast_elements = 2.0 * (6.0 * args.dim + args.ffn_dim) + 3.0 * args.dim + 2.0 * kv + 2.0 * args.ffn_dim
+    # a third of the casts in forward (the layer_fwd x 3 convention below)
+    cast_fwd = np.where(fp8_on, tok * cast_elements * FP8_CAST_BYTES_PER_ELEMENT / 3.0 / tp / bw, 0.0)
     layer_fwd = (
-        tok * matmul_flops_per_token_layer(args) / tp / r_mm
+        tok * matmul_flops_per_token_layer(args) / tp / r_block_mm
+        + cast_fwd
         + tok * attention_flops_per_token_layer(args, s) / tp / r_attn
         + pointwise_fwd
     )
@@ -148,7 +180,11 @@ def time_breakdown(
 
     # FSDP shards over dp_shard x cp (cp ranks hold the same weights), tp ranks apart
     shard = dps * cp
-    gather = per_unit("all_gather", e * cols["n_tp"], shard, tp)
+    # tensorwise fp8 under FSDP all-gathers the blocks' linear weights in fp8: 1 byte per element instead of e
+    linear_tp = cols["layers"] * matmul_flops_per_token_layer(args) / 2.0 / tp
+    fp8_gather = fp8_on & (work.fp8 == "tensorwise")
+    gathered_bytes = e * cols["n_tp"] - np.where(fp8_gather, (e - 1.0) * linear_tp, 0.0)
+    gather = per_unit("all_gather", gathered_bytes, shard, tp)
     gather_bwd = gather * (cols["n_tp"] - cols["root_tp"]) / cols["n_tp"]  # the root stays gathered
     rs = per_unit("reduce_scatter", 4.0 * cols["n_tp"], shard, tp)
     hsdp_ar = per_unit("all_reduce", 4.0 * cols["n_tp"] / shard, dpr, tp * shard)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -112,6 +113,8 @@ class Job:
     # FSDP/HSDP accumulation: "sharded" reduce-scatters every micro-batch into the sharded gradient (memory / N),
     # "unsharded" keeps whole fp32 gradients until the last one (one reduce-scatter per step)
     fsdp_accumulate: str = "sharded"
+    # what derives from the weights and must follow them (fp8: the float8 all-gather's precomputed scales)
+    after_weights_change: Callable[[], None] | None = None
     _params: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -131,7 +134,11 @@ class Job:
         """The Job of a model apply_parallelism laid out on `mesh`: this rank's data-parallel coordinate, the loss
         scaler its precision needs, and how its step runs (pipeline, loss parallel) come from the layout."""
         dp_rank, _ = dp_coordinates(dims, mesh)
+        hook = model.after_optimizer_step
+        if hook is not None:  # torch's own optimizer hook: runs after every step that updates the weights
+            optimizer.register_step_post_hook(lambda optimizer, args, kwargs: hook())
         return cls(
+            after_weights_change=hook,
             model=model.module,
             optimizer=optimizer,
             dims=dims,
@@ -186,6 +193,12 @@ class Job:
         if self.dims.mode in ("fsdp", "hsdp"):
             model.set_requires_gradient_sync(sync or self.fsdp_accumulate == "sharded")
         yield
+
+    def weights_loaded(self) -> None:
+        """Tell the job its weights were replaced outside a step (checkpoint restore, weight import): what derives
+        from them is recomputed. (Restoring an optimizer runs a zero-lr step on the old weights first.)"""
+        if self.after_weights_change is not None:
+            self.after_weights_change()
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:

@@ -88,6 +88,7 @@ def resume(trainer: Trainer, ckpt: CheckpointManager) -> int:
         load_hf_weights(trainer.model.module, Path(cfg.checkpoint.init_from_hf), trainer.spec)
         log.info("initial weights from Hugging Face checkpoint %s", cfg.checkpoint.init_from_hf)
     restored = ckpt.restore(trainer.model.module, trainer.job.optimizer) if cfg.checkpoint.resume else None
+    trainer.job.weights_loaded()
     if restored is None:
         return 0
     trainer.load_state_dict(restored.trainer_state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,7 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
             "parallel.cpu_offload: not combined with pipeline parallelism (torch's pipeline schedules keep stages "
             "unsharded on the device); use parallel.pp=1 or parallel.cpu_offload=false"
         )
+    check_fp8(cfg)
     if dims.tp > 1:
         if dims.mode == "ddp":
             raise ValueError(
@@ -159,6 +161,26 @@ def check_context_parallel(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) 
             f"parallel.tp={dims.tp}; pick a data.seq_len that is a multiple of {2 * dims.cp * dims.tp}"
         )
     pick_cp_method(cfg.parallel.cp_method, pick_device_type(cfg.run.device), spec)
+
+
+def check_fp8(cfg: JobConfig) -> None:
+    """fp8 runs on top of bf16 compute only: fp16's loss scaling would scale the gradients fp8 casts with its own
+    dynamic scales (torchao does not support the pair), and fp32 compute around fp8 matmuls is a combination no
+    fp8 recipe (torchao, torchtitan) trains with. Compile is allowed everywhere: inductor compiles the emulated
+    float8 blocks on CPU too (torch 2.13, torchao 0.18.0)."""
+    fp8 = cfg.precision.fp8
+    if fp8 == "none":
+        return
+    if cfg.precision.dtype != "bf16":
+        raise ValueError(
+            f"precision.fp8: {fp8} runs on top of bf16 compute, not {cfg.precision.dtype}; "
+            f"set precision.dtype=bf16 or precision.fp8=none"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError(
+            f"precision.fp8: {fp8} trains through torchao, which is not installed; "
+            f"pip install 'scaletrain[fp8]' or set precision.fp8=none"
+        )
 
 
 def pipeline_microbatches(cfg: JobConfig, dims: ParallelDims) -> int:
