@@ -17,7 +17,7 @@ import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
-from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds
+from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds, llama_layer_seconds, memory_seconds
 from scaletrain.config.precisions import PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
@@ -103,6 +103,15 @@ def time_breakdown(
     if args.block == "gpt":  # Megatron's GPT block, op by op on efficiency curves (plan/efficiency.py)
         layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, s, tp, r_mm, cluster, e)
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + loss_fwd
+    elif cluster.measured_matmul_curve:  # `scaletrain bench` curves: each GEMM and kernel at its measured rate
+        point_bytes = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp
+        layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
+            args, tok, s, tp, r_mm, r_attn, point_bytes, cluster, e
+        )
+        loss_bytes = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp
+        out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + memory_seconds(
+            loss_bytes, cluster, loss_bytes / 3
+        )
     # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
     layer = layer_fwd + layer_bwd
     body, head = cols["layers_body"] * layer, cols["layers_head"] * layer + 3.0 * out_fwd
