@@ -31,7 +31,8 @@ COPY_BYTES = {"cpu": (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB), "cuda": (1 * MIB, 
 COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to the --size-mb message
 # one timing sample repeats the call until it lasts this long: longer than a scheduler time slice, so that a rank
 # sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
-SAMPLE_S = 0.02
+SAMPLE_S = 0.06
+ROUNDS = 5
 
 
 def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
@@ -43,26 +44,44 @@ def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
     return list(dict.fromkeys(shapes))
 
 
-def _median_seconds(fn, sync, budget_s: float = 0.06, samples: int = 5, inner: int | None = None) -> float:
-    """Median seconds of one call of `fn`: after a warm-up, `samples` samples (fewer past `budget_s`, at least 3),
-    each repeating the call until it lasts SAMPLE_S. Median, not best: a rank sharing cores sees the typical time.
-    Collectives pass `inner` and budget_s=inf, so that every rank makes the same number of calls."""
+def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
+    """Median seconds of one call of `fn` over `samples` samples of `inner` calls each, after a warm-up call; a
+    collective passes the same counts on every rank."""
     fn()
     sync()
-    if inner is None:
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        inner = int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7))))
-    out: list[float] = []
-    start = time.perf_counter()
-    while len(out) < 3 or (len(out) < samples and time.perf_counter() - start < budget_s):
+    out = []
+    for _ in range(samples):
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
         sync()
         out.append((time.perf_counter() - t0) / inner)
     return statistics.median(out)
+
+
+def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float]:
+    """Median seconds of one call of each of `fns`, measured round-robin: each round takes one SAMPLE_S sample of
+    every function in turn, so that load coming and going on a shared host falls on all of them alike and the
+    curve keeps its shape. Every rank runs the same rounds at once (a barrier each): they contend as a training
+    step's ranks do."""
+    inner = []
+    for fn in fns:  # warm-up, then the calls one sample needs
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        inner.append(int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7)))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        barrier()
+        for fn, n, out in zip(fns, inner, samples):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t0) / n)
+    return [statistics.median(x) for x in samples]
 
 
 def count_dispatched_ops(fn) -> int:
@@ -82,9 +101,10 @@ def count_dispatched_ops(fn) -> int:
     return counter.n
 
 
-def measure_op_overhead(device: str = "cpu", sync=lambda: None) -> float:
-    """Host seconds per dispatched op: forward + backward of the built-in `tiny` model on 8 tokens, where the
-    kernels are too small to matter, divided by the ops it dispatches (the planner's OPS_PER_BLOCK count)."""
+def tiny_model_step(device: str = "cpu"):
+    """(step, ops): forward + backward of the built-in `tiny` model on 8 tokens, where the kernels are too small to
+    matter, and the ops it dispatches; its seconds / ops is the host time per dispatched op (the planner's
+    OPS_PER_BLOCK count)."""
     import torch.nn.functional as F
 
     from scaletrain.models import preset_spec
@@ -99,8 +119,7 @@ def measure_op_overhead(device: str = "cpu", sync=lambda: None) -> float:
         F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
         model.zero_grad(set_to_none=True)
 
-    ops = count_dispatched_ops(step)
-    return _median_seconds(step, sync, budget_s=0.1) / ops
+    return step, count_dispatched_ops(step)
 
 
 @dataclass(frozen=True)
@@ -130,20 +149,22 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
     computes = plan.compute and (not plan.gpu_compute or nccl or rank == 0)
     res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": []}
     try:
-        for m, n, k in matmul_shapes(plan.matmul_n) if plan.compute else []:
-            barrier()  # every rank runs the same shape at once: they contend as a training step's ranks do
-            if computes:
-                a = torch.randn(m, k, dtype=plan.dtype, device=device)
-                b = torch.randn(k, n, dtype=plan.dtype, device=device)
-                res["matmul"].append((m, n, k, 2.0 * m * n * k / _median_seconds(partial(torch.mm, a, b), sync)))
-        for nbytes in COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if plan.compute else ():
-            barrier()
-            if computes:
-                src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-                dst = torch.empty_like(src)
-                res["copy"].append((nbytes, 2.0 * nbytes / _median_seconds(partial(dst.copy_, src), sync)))
+        shapes = matmul_shapes(plan.matmul_n) if computes else []
+        sizes = COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if computes else ()
+        fns, ops = [], 1
+        for m, n, k in shapes:
+            a = torch.randn(m, k, dtype=plan.dtype, device=device)
+            fns.append(partial(torch.mm, a, torch.randn(k, n, dtype=plan.dtype, device=device)))
+        for nbytes in sizes:
+            src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            fns.append(partial(torch.empty_like(src).copy_, src))
         if computes:
-            res["op"].append(measure_op_overhead(device, sync))
+            step, ops = tiny_model_step(device)
+            fns.append(step)
+        seconds = _interleaved_seconds(fns, sync, barrier) if plan.compute else []
+        res["matmul"] = [(m, n, k, 2.0 * m * n * k / t) for (m, n, k), t in zip(shapes, seconds)]
+        res["copy"] = [(b, 2.0 * b / t) for b, t in zip(sizes, seconds[len(shapes) :])]
+        res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) :]]
         if port is not None:
             cdev = device if nccl else "cpu"
             # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
@@ -158,9 +179,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
                 ):
                     barrier()
                     inner = min(5, max(1, 64 * KIB // nbytes))  # the same count on every rank
-                    seconds = _median_seconds(fn, sync, budget_s=float("inf"), samples=5, inner=inner)
-                    slowest = torch.tensor([seconds], dtype=torch.float64)
-                    slowest = slowest.to(cdev)
+                    slowest = torch.tensor([_median_seconds(fn, sync, inner)], dtype=torch.float64).to(cdev)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
                     size = nbytes if kind == "all_reduce" else gathered.numel() * 4
                     res[kind].append((size, float(slowest.cpu())))
