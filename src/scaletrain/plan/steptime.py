@@ -36,6 +36,7 @@ POINTWISE_ELEMENTS_H, POINTWISE_ELEMENTS_FFN = 40.0, 6.0
 # unconfirmed estimate: bytes per token and vocabulary entry the loss moves, forward + backward (logits, their fp32
 # copy, log-softmax, and the gradients of each)
 LOSS_BYTES_PER_VOCAB = 24.0
+GRAD_ACCUMULATOR_BYTES = 4.0  # gradients accumulate in fp32 (FSDP2's reduce dtype, Megatron's main_grad)
 ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
@@ -178,6 +179,13 @@ def time_breakdown(
         ~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0
     )
 
+    # gradient accumulation: every micro-batch after a step's first adds its weight gradients into the accumulated
+    # ones (autograd's AccumulateGrad `grad += new`; Megatron-LM's DDP hook `main_grad.add_(grad)`, fp32): read
+    # the new gradient, read and write the fp32 accumulator, per local parameter, in one kernel per weight
+    accum_bytes = cols["n_local"] * (e + 2.0 * GRAD_ACCUMULATOR_BYTES)
+    accum_kernel = np.minimum(accum_bytes, (e + 2.0 * GRAD_ACCUMULATOR_BYTES) * args.dim * args.ffn_dim / tp)
+    accum_mb = (m - 1.0) / m * memory_seconds(accum_bytes, cluster, accum_kernel)
+    compute_mb = compute_mb + accum_mb
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
     # host falls behind the kernels (small models, small micro-batches)
