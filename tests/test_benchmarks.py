@@ -180,3 +180,25 @@ def test_fp8_benchmark_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worst step loss difference" in proc.stdout and "emulated on CPU, not a speed figure" in proc.stdout
+
+
+def test_gpu_planner_dry_run_checks_arguments_without_a_gpu(tmp_path, capsys):
+    """benchmarks/gpu_planner.py's CPU side: --dry-run prints the bench and train commands with the planner's
+    predictions; bad arguments are one line, exit 2 (the GPU measurement itself runs only on a lent GPU)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_planner", ROOT / "benchmarks/gpu_planner.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    mod.main(["--dry-run", "--out", str(tmp_path / "o"), "--runs", "none:1,full:4:compile", "--gpu", "h200"])
+    out = capsys.readouterr().out
+    assert "bench --nproc 1" in out and "parallel.activation_checkpoint=full" in out
+    assert "[none-mb1: predicted" in out and "[full-mb4-compile: predicted" in out and "parallel.compile=true" in out
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+    for bad in (["--runs", "most:1"], ["--runs", "none:0"], ["--steps", "1"], ["--gpu", "nope"]):
+        with pytest.raises(SystemExit) as exit_:
+            mod.main(["--dry-run", *bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exit_.value.code == 2 and "error:" in err, (bad, err)

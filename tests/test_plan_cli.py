@@ -184,10 +184,15 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
         timeout=120,
     )
     assert p.returncode == 0, p.stderr
-    assert "all-reduce busbw" in p.stdout and "per dispatched op" in p.stdout and cal.is_file()
+    assert "all-reduce busbw" in p.stdout and "all-gather" in p.stdout and "per dispatched op" in p.stdout
     from scaletrain.hardware.calibration import load_calibration
 
-    assert 0 < load_calibration(cal).op_overhead_s < 1e-3  # seconds per op: microseconds, not milliseconds
+    measured = load_calibration(cal)
+    assert 0 < measured.op_overhead_s < 1e-3  # seconds per op: microseconds, not milliseconds
+    # the curves: several GEMM shapes, copy sizes and message sizes up to --size-mb, and their fit
+    assert len(measured.matmul) >= 6 and len(measured.copy) >= 3
+    assert [b for b, _ in measured.all_reduce][-1] == 2**20 and len(measured.all_gather) == len(measured.all_reduce)
+    assert measured.allreduce_latency_s is not None and measured.allgather_busbw > 0
     r = run(
         [
             "plan",
@@ -212,5 +217,7 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     wrong = CliRunner().invoke(main, ["plan", "--gpus", "8", "--calibration", str(cal)])
     assert wrong.exit_code == 2 and "measured on 'cpu'" in wrong.stderr
     before = sorted(tmp_path.iterdir())
-    bad = CliRunner().invoke(main, ["bench", "-o", str(tmp_path / "x.toml"), "--nproc", "1"])
-    assert bad.exit_code == 2 and sorted(tmp_path.iterdir()) == before  # nothing written
+    for flags in (["--nproc", "0"], ["--matmul-n", "8"], ["--size-mb", "nan"]):
+        bad = CliRunner().invoke(main, ["bench", "-o", str(tmp_path / "x.toml"), *flags])
+        assert bad.exit_code == 2 and bad.stderr.count("\n") == 1, (flags, bad.output)
+    assert sorted(tmp_path.iterdir()) == before  # nothing written

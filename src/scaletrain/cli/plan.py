@@ -583,31 +583,50 @@ def _pinned_options(opts, pins):
 
 @click.command()
 @click.option("--output", "-o", default="calibration.toml", show_default=True, help="Calibration TOML to write.")
-@click.option("--nproc", type=int, default=2, show_default=True, help="Local ranks for the all-reduce test.")
-@click.option("--size-mb", type=float, default=16.0, show_default=True, help="All-reduce message size, MiB.")
-@click.option("--matmul-n", type=int, default=1024, show_default=True, help="Square matmul size.")
+@click.option(
+    "--nproc",
+    type=int,
+    default=None,
+    help="Local ranks to measure over, as `scaletrain train --nproc-per-node` would start [default: one per GPU, "
+    "else 2]; 1 skips the collectives.",
+)
+@click.option("--size-mb", type=float, default=16.0, show_default=True, help="Largest collective message, MiB.")
+@click.option("--matmul-n", type=int, default=None, help="Largest square matmul [default: 8192 on a GPU, else 1024].")
 def bench(output, nproc, size_mb, matmul_n) -> None:
-    """Measure this host's matmul FLOP/s, copy bandwidth and all-reduce bus bandwidth; write a calibration TOML
-    for `scaletrain plan --calibration FILE`."""
+    """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
+    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks; write a
+    calibration TOML for `scaletrain plan --calibration FILE`."""
     from scaletrain.hardware.bench import run_bench
     from scaletrain.hardware.calibration import save_calibration
+    from scaletrain.hardware.detect import detect_host
 
-    if nproc < 2:
-        fail(f"--nproc: an all-reduce needs at least 2 ranks (got {nproc})")
-    if size_mb <= 0 or matmul_n < 16:
-        fail("--size-mb must be positive and --matmul-n at least 16")
+    if nproc is not None and nproc < 1:
+        fail(f"--nproc: at least 1 rank (got {nproc})")
+    if not size_mb > 0 or size_mb > 4096:
+        fail(f"--size-mb: between 0 and 4096 MiB (got {size_mb})")
+    if matmul_n is not None and not 16 <= matmul_n <= 65536:
+        fail(f"--matmul-n: between 16 and 65536 (got {matmul_n})")
     out = Path(output)
     if out.exists() and out.is_dir():
         fail(f"--output: {output!r} is a folder; give a file name")
     if not out.parent.exists():
         fail(f"--output: folder {str(out.parent)!r} does not exist")
-    cal = run_bench(nproc=nproc, matmul_n=matmul_n, allreduce_bytes=int(size_mb * 2**20))
+    nproc = nproc or max(detect_host().gpu_count, 2)
+    cal = run_bench(nproc=nproc, matmul_n=matmul_n, collective_bytes=max(1024, int(size_mb * 2**20)))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     save_calibration(cal, tmp)
     tmp.replace(out)  # written whole or not at all
+    low = min(cal.matmul, key=lambda p: p[3])
+    comm = "one rank: no collectives measured"
+    if cal.allreduce_busbw and cal.allgather_busbw:
+        comm = (
+            f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s + {(cal.allreduce_latency_s or 0) * 1e6:.0f} us "
+            f"per step, all-gather {cal.allgather_busbw / 1e9:,.2f} GB/s + "
+            f"{(cal.allgather_latency_s or 0) * 1e6:.0f} us over {cal.ranks} ranks"
+        )
     click.echo(
-        f"{cal.host} ({cal.device}): matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s ({cal.matmul_dtype}), "
-        f"copy {cal.memory_bw / 1e9:,.1f} GB/s, {(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op, "
-        f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s "
-        f"over {cal.ranks} ranks -> {output}"
+        f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
+        f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
+        f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
+        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm} -> {output}"
     )

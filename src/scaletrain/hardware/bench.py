@@ -1,49 +1,87 @@
-"""Measuring this host: matmul FLOP/s, copy bandwidth, host time per dispatched op, and all-reduce bus bandwidth
-between local ranks.
+"""Measuring this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
+host time per dispatched op, and all-reduce / all-gather time at several message sizes between local ranks, fitted
+to latency + bandwidth.
 
-The all-reduce runs through torch.distributed on a few local processes (gloo on CPUs, NCCL on GPUs), started with
-torch.multiprocessing and meeting on 127.0.0.1; bus bandwidth follows nccl-tests: algbw x 2(n-1)/n.
+Everything is measured inside the ranks a training job would run: `nproc` processes started with
+torch.multiprocessing, meeting on 127.0.0.1 over torch.distributed (gloo on CPUs, NCCL with a GPU per rank), each
+with the threads the local launcher gives it (launch/local.py: cores / ranks). On a CPU the ranks compute at the
+same time, so the figures are what each rank gets while sharing the cores. Bus bandwidth follows nccl-tests:
+all-reduce algbw x 2(n-1)/n, all-gather algbw x (n-1)/n.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
+from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
 
 from scaletrain.hardware.calibration import Calibration
 from scaletrain.hardware.detect import detect_host
 
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+# tensor sizes the copy curve is measured at: from cache-resident to well past the last-level cache (CPU), from
+# launch-bound to streaming (GPU)
+COPY_BYTES = {"cpu": (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB), "cuda": (1 * MIB, 16 * MIB, 256 * MIB, GIB)}
+COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to the --size-mb message
+# one timing sample repeats the call until it lasts this long: longer than a scheduler time slice, so that a rank
+# sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
+SAMPLE_S = 0.06
+ROUNDS = 5
 
-def _timed(fn, repeats: int) -> float:
-    """Best wall time of one call over `repeats` calls after one warm-up, seconds."""
+
+def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) shapes measured around a large square size `n`: squares down to n/16, and skinny GEMMs (many
+    tokens through a narrow layer, attention scores with a short head dim) whose intensity is low."""
+    d = lambda f: max(1, n // f)  # noqa: E731
+    shapes = [(n, n, n), (d(2),) * 3, (d(4),) * 3, (d(16),) * 3, (4 * n, d(8), d(8)), (4 * n, d(32), d(32))]
+    shapes += [(d(4), d(4), d(32)), (n, n, d(32))]
+    return list(dict.fromkeys(shapes))
+
+
+def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
+    """Median seconds of one call of `fn` over `samples` samples of `inner` calls each, after a warm-up call; a
+    collective passes the same counts on every rank."""
     fn()
-    best = float("inf")
-    for _ in range(repeats):
+    sync()
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float]:
+    """Median seconds of one call of each of `fns`, measured round-robin: each round takes one SAMPLE_S sample of
+    every function in turn, so that load coming and going on a shared host falls on all of them alike and the
+    curve keeps its shape. Every rank runs the same rounds at once (a barrier each): they contend as a training
+    step's ranks do."""
+    inner = []
+    for fn in fns:  # warm-up, then the calls one sample needs
+        fn()
+        sync()
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def measure_matmul_flops(
-    n: int = 1024, dtype: torch.dtype = torch.float32, device: str = "cpu", repeats: int = 5
-) -> float:
-    """Achieved FLOP/s of an n x n x n matmul (2n^3 FLOPs), best of `repeats`."""
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
-    return 2.0 * n**3 / _timed(lambda: torch.mm(a, b), repeats)
-
-
-def measure_memory_bw(nbytes: int = 64 * 2**20, device: str = "cpu", repeats: int = 5) -> float:
-    """Achieved bytes/s of a large copy, counting the read and the write."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    return 2.0 * nbytes / _timed(lambda: dst.copy_(src), repeats)
+        sync()
+        inner.append(int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7)))))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        barrier()
+        for fn, n, out in zip(fns, inner, samples):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            out.append((time.perf_counter() - t0) / n)
+    return [statistics.median(x) for x in samples]
 
 
 def count_dispatched_ops(fn) -> int:
@@ -63,9 +101,10 @@ def count_dispatched_ops(fn) -> int:
     return counter.n
 
 
-def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int = 20) -> float:
-    """Host seconds per dispatched op: forward + backward of the built-in `tiny` model on 8 tokens, where the
-    kernels are too small to matter, divided by the ops it dispatches (the planner's OPS_PER_BLOCK count)."""
+def tiny_model_step(device: str = "cpu"):
+    """(step, ops): forward + backward of the built-in `tiny` model on 8 tokens, where the kernels are too small to
+    matter, and the ops it dispatches; its seconds / ops is the host time per dispatched op (the planner's
+    OPS_PER_BLOCK count)."""
     import torch.nn.functional as F
 
     from scaletrain.models import preset_spec
@@ -80,46 +119,74 @@ def measure_op_overhead(device: str = "cpu", repeats: int = 5, iterations: int =
         F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten(), reduction="sum").backward()
         model.zero_grad(set_to_none=True)
 
-    ops = count_dispatched_ops(step)
-
-    def steps() -> None:
-        for _ in range(iterations):
-            step()
-
-    seconds = _timed(steps, repeats)
-    return seconds / (iterations * ops)
+    return step, count_dispatched_ops(step)
 
 
-def _allreduce_worker(rank: int, world: int, port: int, nbytes: int, repeats: int, backend: str, out) -> None:
+@dataclass(frozen=True)
+class BenchPlan:
+    matmul_n: int
+    dtype: torch.dtype
+    collective_bytes: tuple[int, ...]
+    backend: str  # gloo or nccl (collectives)
+    gpu_compute: bool  # compute on a GPU (rank r on cuda:r, or only rank 0 on cuda:0 when GPUs are fewer)
+    compute: bool = True  # measure the compute curves (False: collectives only, for `scaletrain doctor`)
+
+
+def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> None:
+    """One rank: its compute curves, then the collectives; rank r puts (r, results) on `out`."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if not plan.gpu_compute:  # the local launcher's rule (launch/local.py): the cores shared among the ranks
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if port is not None:
+        dist.init_process_group(plan.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    nccl = plan.backend == "nccl"
+    device = f"cuda:{rank}" if nccl else ("cuda:0" if plan.gpu_compute else "cpu")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    barrier = dist.barrier if port is not None else (lambda: None)
+    computes = plan.compute and (not plan.gpu_compute or nccl or rank == 0)
+    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": []}
     try:
-        device = f"cuda:{rank}" if backend == "nccl" else "cpu"
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-
-        def once() -> None:
-            dist.all_reduce(t)
-            if backend == "nccl":
-                torch.cuda.synchronize()
-
-        once()
-        dist.barrier()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            once()
-            times.append(time.perf_counter() - t0)
-        slowest = torch.tensor([min(times)], dtype=torch.float64)
-        dist.all_reduce(slowest.to(device), op=dist.ReduceOp.MAX) if backend == "nccl" else dist.all_reduce(
-            slowest, op=dist.ReduceOp.MAX
-        )
-        if rank == 0:
-            out.put(float(slowest))
+        shapes = matmul_shapes(plan.matmul_n) if computes else []
+        sizes = COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if computes else ()
+        fns, ops = [], 1
+        for m, n, k in shapes:
+            a = torch.randn(m, k, dtype=plan.dtype, device=device)
+            fns.append(partial(torch.mm, a, torch.randn(k, n, dtype=plan.dtype, device=device)))
+        for nbytes in sizes:
+            src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            fns.append(partial(torch.empty_like(src).copy_, src))
+        if computes:
+            step, ops = tiny_model_step(device)
+            fns.append(step)
+        seconds = _interleaved_seconds(fns, sync, barrier) if plan.compute else []
+        res["matmul"] = [(m, n, k, 2.0 * m * n * k / t) for (m, n, k), t in zip(shapes, seconds)]
+        res["copy"] = [(b, 2.0 * b / t) for b, t in zip(sizes, seconds[len(shapes) :])]
+        res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) :]]
+        if port is not None:
+            cdev = device if nccl else "cpu"
+            # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            for nbytes in plan.collective_bytes:
+                t = torch.ones(nbytes // 4, dtype=torch.float32, device=cdev)
+                gathered = torch.empty(world * (nbytes // 4 // world), dtype=torch.float32, device=cdev)
+                part = t[: nbytes // 4 // world]
+                for kind, fn in (
+                    ("all_reduce", partial(dist.all_reduce, t)),
+                    ("all_gather", partial(gather, gathered, part)),
+                ):
+                    barrier()
+                    inner = min(5, max(1, 64 * KIB // nbytes))  # the same count on every rank
+                    slowest = torch.tensor([_median_seconds(fn, sync, inner)], dtype=torch.float64).to(cdev)
+                    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+                    size = nbytes if kind == "all_reduce" else gathered.numel() * 4
+                    res[kind].append((size, float(slowest.cpu())))
+        out.put((rank, res))
     finally:
-        dist.destroy_process_group()
+        if port is not None:
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -128,45 +195,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_allreduce_busbw(nproc: int = 2, nbytes: int = 16 * 2**20, repeats: int = 5) -> float:
-    """All-reduce bus bandwidth between `nproc` local ranks, bytes/s (algbw x 2(n-1)/n, as nccl-tests)."""
+def _spawn(nproc: int, plan: BenchPlan) -> list[dict]:
+    """Run _measure in `nproc` fresh local processes (one in this process when nproc is 1); results by rank."""
     import torch.multiprocessing as mp
 
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(
-        _allreduce_worker,
-        args=(nproc, _free_port(), nbytes, repeats, backend, out),
-        nprocs=nproc,
-        join=True,
-        start_method="spawn",
-    )
-    seconds = out.get()
-    return nbytes / seconds * 2.0 * (nproc - 1) / nproc
+    if nproc == 1:
+        _measure(0, 1, None, plan, out)
+    else:
+        mp.start_processes(
+            _measure, args=(nproc, _free_port(), plan, out), nprocs=nproc, join=True, start_method="spawn"
+        )
+    results = dict(out.get() for _ in range(nproc))
+    return [results[r] for r in range(nproc)]
 
 
-def run_bench(nproc: int = 2, matmul_n: int = 1024, allreduce_bytes: int = 16 * 2**20) -> Calibration:
-    """Measure this host and return its calibration (GPU: bf16 matmul on device 0; CPU: fp32 matmul)."""
+def fit_latency_bandwidth(points, steps: float, volume: float) -> tuple[float, float]:
+    """(latency per ring step in s, bus bandwidth in bytes/s) of t = steps x latency + volume x bytes / busbw,
+    least squares on the relative error over measured (bytes, seconds) points (small messages weigh as much as
+    large ones). A negative latency fit (noise) falls back to a bandwidth-only fit."""
+    size = np.asarray([p[0] for p in points], dtype=np.float64)
+    sec = np.asarray([p[1] for p in points], dtype=np.float64)
+    coef, *_ = np.linalg.lstsq(np.stack([1.0 / sec, size / sec], axis=1), np.ones_like(sec), rcond=None)
+    a, b = float(coef[0]), float(coef[1])
+    if a < 0 or b <= 0:
+        a, b = 0.0, float(np.sum(size / sec) / np.sum((size / sec) ** 2))
+    return a / steps, volume / b
+
+
+def measure_allreduce_busbw(nproc: int = 2, nbytes: int = 16 * MIB) -> float:
+    """All-reduce bus bandwidth between `nproc` local ranks at one message size, bytes/s (algbw x 2(n-1)/n)."""
+    fields = _collectives(nproc, (nbytes,))
+    return 2.0 * (nproc - 1) / nproc * nbytes / fields["all_reduce"][0][1]
+
+
+def _backend(nproc: int) -> str:
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
+
+
+def _collectives(nproc: int, sizes: tuple[int, ...]) -> dict:
+    plan = BenchPlan(16, torch.float32, sizes, _backend(nproc), torch.cuda.is_available(), compute=False)
+    return _spawn(nproc, plan)[0]
+
+
+def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int = 16 * MIB) -> Calibration:
+    """Measure this host's curves over `nproc` local ranks and return its calibration (GPU: bf16 matmuls;
+    CPU: fp32). matmul_n: the largest square GEMM (default 1024 on a CPU, 8192 on a GPU); collectives at
+    COLLECTIVE_BYTES up to `collective_bytes` (none with one rank)."""
     host = detect_host()
     on_gpu = host.gpu_count > 0
-    device = "cuda" if on_gpu else "cpu"
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    flops = measure_matmul_flops(matmul_n, dtype, device)
-    mem_bw = measure_memory_bw(device=device)
-    op_s = measure_op_overhead(device)
-    busbw = measure_allreduce_busbw(nproc, allreduce_bytes)
-    memory = float(host.gpu_memory_bytes[0]) if on_gpu else host.memory_bytes
+    sizes = tuple(sorted({b for b in COLLECTIVE_BYTES if b < collective_bytes} | {collective_bytes}))
+    plan = BenchPlan(
+        matmul_n or (8192 if on_gpu else 1024),
+        torch.bfloat16 if on_gpu else torch.float32,
+        sizes if nproc > 1 else (),
+        _backend(nproc),
+        on_gpu,
+    )
+    results = _spawn(nproc, plan)
+    ranks = [r for r in results if r["matmul"]]  # the ranks that computed
+
+    def mean_curve(name: str, keys: int) -> tuple[tuple[float, ...], ...]:
+        # each point: the shape, and the mean over the computing ranks of what each got
+        return tuple((*pts[0][:keys], statistics.fmean(p[keys] for p in pts)) for pts in zip(*(r[name] for r in ranks)))
+
+    matmul, copy = mean_curve("matmul", 3), mean_curve("copy", 1)
+    fits: dict[str, tuple[float, float] | tuple[None, None]] = {"all_reduce": (None, None), "all_gather": (None, None)}
+    if nproc > 1:
+        n = float(nproc)
+        fits["all_reduce"] = fit_latency_bandwidth(results[0]["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
+        fits["all_gather"] = fit_latency_bandwidth(results[0]["all_gather"], n - 1, (n - 1) / n)
     return Calibration(
         device=host.catalog_gpu,
         host=host.hostname,
         ranks=nproc,
-        matmul_flops=flops,
-        matmul_dtype=str(dtype).removeprefix("torch."),
-        memory_bw=mem_bw,
-        allreduce_busbw=busbw,
-        memory_bytes=memory,
+        matmul_flops=max(p[3] for p in matmul),
+        matmul_dtype=str(plan.dtype).removeprefix("torch."),
+        memory_bw=copy[-1][1],
+        allreduce_busbw=fits["all_reduce"][1],
+        memory_bytes=float(host.gpu_memory_bytes[0]) if on_gpu else host.memory_bytes,
         torch_version=torch.__version__,
-        op_overhead_s=op_s,
+        op_overhead_s=statistics.fmean(r["op"][0] for r in ranks),
+        allreduce_latency_s=fits["all_reduce"][0],
+        allgather_busbw=fits["all_gather"][1],
+        allgather_latency_s=fits["all_gather"][0],
+        matmul=matmul,
+        copy=copy,
+        all_reduce=tuple(results[0]["all_reduce"]),
+        all_gather=tuple(results[0]["all_gather"]),
     )

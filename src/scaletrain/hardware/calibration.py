@@ -1,8 +1,15 @@
-"""Calibration files: figures `scaletrain bench` measured on a host, used by the planner instead of datasheets."""
+"""Calibration files: figures `scaletrain bench` measured on a host, used by the planner instead of datasheets.
+
+Besides one figure per resource (the best matmul rate, the large-copy bandwidth, the all-reduce bus bandwidth), a
+file holds the measured curves the planner interpolates between (plan/efficiency.py): matmul FLOP/s at several GEMM
+shapes, copy bandwidth at several sizes, and all-reduce / all-gather seconds at several message sizes with their
+latency + bandwidth fit.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,26 +23,67 @@ class CalibrationError(ValueError):
     """A calibration file is missing, malformed or from another device; one line."""
 
 
+# the measured points a file may hold, as TOML arrays of tables: name -> the keys of one point
+POINT_KEYS: dict[str, tuple[str, ...]] = {
+    "matmul": ("m", "n", "k", "flops"),  # [m x k] @ [k x n] at `flops` FLOP/s
+    "copy": ("bytes", "bandwidth"),  # a copy of `bytes` at `bandwidth` bytes/s, read + write counted
+    "all_reduce": ("bytes", "seconds"),  # one collective of `bytes` (the full message per rank), seconds
+    "all_gather": ("bytes", "seconds"),  # `bytes`: the gathered output
+}
+
+
 @dataclass(frozen=True)
 class Calibration:
     device: str  # catalog name of what was measured ("cpu" on a CPU host)
     host: str
     ranks: int
-    matmul_flops: float  # achieved FLOP/s of a large matmul in `matmul_dtype`
+    matmul_flops: float  # achieved FLOP/s of the fastest measured matmul in `matmul_dtype`
     matmul_dtype: str
-    memory_bw: float  # bytes/s of a large copy (read + write)
-    allreduce_busbw: float  # bytes/s, nccl-tests convention: algbw x 2(n-1)/n
+    memory_bw: float  # bytes/s of the largest measured copy (read + write)
+    allreduce_busbw: float | None  # bytes/s, nccl-tests convention: algbw x 2(n-1)/n (None: one rank, not measured)
     memory_bytes: float | None  # device memory (host RAM on a CPU host), bytes
     torch_version: str
     op_overhead_s: float | None = None  # host seconds per dispatched op of the built-in block (older files: none)
+    allreduce_latency_s: float | None = None  # fitted latency per ring step, seconds
+    allgather_busbw: float | None = None  # bytes/s, algbw x (n-1)/n
+    allgather_latency_s: float | None = None
+    # measured points, tuples in POINT_KEYS order (files written before the curves: empty)
+    matmul: tuple[tuple[float, ...], ...] = ()
+    copy: tuple[tuple[float, ...], ...] = ()
+    all_reduce: tuple[tuple[float, ...], ...] = ()
+    all_gather: tuple[tuple[float, ...], ...] = ()
 
     def to_toml(self) -> str:
-        body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-        return "# written by `scaletrain bench`; pass to `scaletrain plan --calibration`\n" + tomli_w.dumps(body)
+        body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in POINT_KEYS} | {
+            name: [dict(zip(keys, p)) for p in getattr(self, name)] for name, keys in POINT_KEYS.items()
+        }
+        return "# written by `scaletrain bench`; pass to `scaletrain plan --calibration`\n" + tomli_w.dumps(
+            {k: v for k, v in body.items() if v != []}
+        )
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:
     Path(path).write_text(cal.to_toml())
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _points(tree: dict, name: str, where: str) -> tuple[tuple[float, ...], ...]:
+    keys = POINT_KEYS[name]
+    rows = tree.get(name, [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise CalibrationError(f"{where}: {name}: must be a list of [[{name}]] tables with keys {', '.join(keys)}")
+    out = []
+    for i, row in enumerate(rows):
+        if set(row) != set(keys):
+            raise CalibrationError(f"{where}: {name}[{i}]: needs exactly the keys {', '.join(keys)}")
+        bad = next((k for k in keys if not _positive(row[k])), None)
+        if bad:
+            raise CalibrationError(f"{where}: {name}[{i}].{bad}: must be a positive number (got {row[bad]!r})")
+        out.append(tuple(float(row[k]) for k in keys))
+    return tuple(out)
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -52,22 +100,41 @@ def load_calibration(path: str | Path) -> Calibration:
     unknown = sorted(set(tree) - set(names))
     if unknown:
         raise CalibrationError(f"{where}: {unknown[0]}: unknown key; valid keys: {', '.join(names)}")
-    missing = [n for n in names if n not in tree and n not in ("memory_bytes", "op_overhead_s")]
+    required = ("device", "host", "ranks", "matmul_flops", "matmul_dtype", "memory_bw", "torch_version")
+    missing = [n for n in required if n not in tree]
     if missing:
         raise CalibrationError(f"{where}: {missing[0]}: missing; rerun `scaletrain bench`")
-    for key in ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s"):
-        if key in tree and (not isinstance(tree[key], (int, float)) or tree[key] <= 0):
+    figures = ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s", "allreduce_latency_s")
+    for key in (*figures, "allgather_busbw", "allgather_latency_s"):
+        if key in tree and not _positive(tree[key]) and not (key.endswith("latency_s") and tree[key] == 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
-    return Calibration(**{k: tree.get(k) for k in names})  # type: ignore[arg-type]  # checked above
+    points = {name: _points(tree, name, where) for name in POINT_KEYS}
+    scalars = {k: tree.get(k) for k in names if k not in POINT_KEYS}
+    return Calibration(**scalars, **points)  # type: ignore[arg-type]  # checked above
+
+
+def intensity(m: float, n: float, k: float) -> float:
+    """FLOPs per element a [m x k] @ [k x n] GEMM reads or writes: 2mnk / (mk + kn + mn). Small and skinny GEMMs
+    have little of it, and it is what their achieved rate follows (the roofline, Williams et al. 2009)."""
+    return 2.0 * m * n * k / (m * k + k * n + m * n)
 
 
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
-    """The cluster with measured compute, memory and intra-node all-reduce figures in place of the datasheet's."""
+    """The cluster with measured compute, memory and intra-node collective figures and curves in place of the
+    datasheet's."""
     if cal.device != cluster.gpu.name:
         raise CalibrationError(
             f"--calibration: measured on {cal.device!r}, but the plan is for "
             f"{cluster.gpu.name!r}; use --gpu {cal.device} or drop --calibration"
         )
+    collectives = tuple(
+        (kind, lat, bw)
+        for kind, lat, bw in (
+            ("all_reduce", cal.allreduce_latency_s, cal.allreduce_busbw),
+            ("all_gather", cal.allgather_latency_s, cal.allgather_busbw),
+        )
+        if bw and lat is not None
+    )
     return dataclasses.replace(
         cluster,
         measured_matmul_flops=cal.matmul_flops,
@@ -75,5 +142,8 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         measured_memory_bw=cal.memory_bw,
         measured_memory_bytes=cal.memory_bytes,
         measured_op_overhead_s=cal.op_overhead_s,
+        measured_matmul_curve=tuple((intensity(m, n, k), f) for m, n, k, f in cal.matmul) or None,
+        measured_copy_curve=tuple((2.0 * b, bw) for b, bw in cal.copy) or None,
+        measured_collectives=collectives or None,
         calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)",
     )

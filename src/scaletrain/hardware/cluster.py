@@ -104,6 +104,11 @@ class Cluster:
     measured_memory_bw: float | None = None
     measured_memory_bytes: float | None = None
     measured_op_overhead_s: float | None = None
+    # measured curves (hardware/calibration.py): (GEMM intensity, FLOP/s), (bytes a kernel moves, bytes/s), and
+    # (collective kind, latency per ring step in s, bus bandwidth in bytes/s) between the host's local ranks
+    measured_matmul_curve: tuple[tuple[float, float], ...] | None = None
+    measured_copy_curve: tuple[tuple[float, float], ...] | None = None
+    measured_collectives: tuple[tuple[str, float, float], ...] | None = None
     calibration_note: str = ""
 
     @property
@@ -128,6 +133,13 @@ class Cluster:
     def intra_bw(self) -> float:
         """Achievable per-GPU bandwidth inside a node (ring bus bandwidth), bytes/s."""
         return self.measured_busbw or self.intra_link.bandwidth * self.intra_link.efficiency
+
+    def intra_collective(self, kind: str) -> tuple[float, float]:
+        """(latency per ring step in s, bus bandwidth in bytes/s) of a collective inside a node: measured by
+        `scaletrain bench` for this kind (a reduce-scatter moves what an all-gather moves), else the link's."""
+        measured = {k: (lat, bw) for k, lat, bw in self.measured_collectives or ()}
+        key = "all_gather" if kind == "reduce_scatter" else kind
+        return measured.get(key, (self.intra_link.latency_s, self.intra_bw))
 
     @property
     def inter_bw_per_gpu(self) -> float:

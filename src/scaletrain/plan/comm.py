@@ -32,9 +32,10 @@ def collective_seconds(kind: str, nbytes, size, inner, cluster: Cluster):
         raise ValueError(f"unknown collective {kind!r}")
     nbytes = np.asarray(nbytes, dtype=np.float64)
     k, nodes = group_placement(size, inner, cluster.gpus_per_node)
-    intra = factor * (k - 1) / k * nbytes / cluster.intra_bw
+    intra_latency, intra_bw = cluster.intra_collective(kind)  # measured by `scaletrain bench`, else the link's
+    intra = factor * (k - 1) / k * nbytes / intra_bw
     inter = np.where(nodes > 1, factor * (nodes - 1) / nodes * nbytes / (k * cluster.inter_bw_per_gpu), 0.0)
-    latency = factor * ((k - 1) * cluster.intra_link.latency_s + (nodes - 1) * cluster.inter_link.latency_s)
+    latency = factor * ((k - 1) * intra_latency + (nodes - 1) * cluster.inter_link.latency_s)
     return np.where(np.asarray(size) > 1, intra + inter + latency, 0.0)
 
 

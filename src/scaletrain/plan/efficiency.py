@@ -11,8 +11,11 @@ given size and a block of Megatron's GPT model run on a GPU, each curve with its
 - Collectives: latency + bandwidth per ring step (plan/comm.py), so small messages pay mostly latency.
 - Host overhead per op: plan/steptime.py (OPS_PER_BLOCK x Cluster.op_overhead_s).
 
-`scaletrain bench` measures a host's large-GEMM rate, copy bandwidth and per-op overhead; those replace the catalog's
-figures the curves scale (hardware/calibration.py).
+`scaletrain bench` measures these curves on the host it runs on (hardware/bench.py): matmul FLOP/s at several GEMM
+shapes, copy bandwidth at several sizes, collective latency + bandwidth, per-op overhead. With a calibration the
+measured points replace the modelled curves: a GEMM runs at the rate measured for its intensity (FLOPs per element
+moved), a memory-bound kernel at the bandwidth measured for its size, both interpolated in log space between the
+measured points and held flat beyond them (measured_curve).
 """
 
 from __future__ import annotations
@@ -46,10 +49,21 @@ GEMM_TILES = ((256, 128, 1.0), (128, 128, 0.85), (128, 64, 0.65))
 MEMORY_SIZE_EFFICIENCY = ((100e6, 0.90), (10e6, 0.75), (1e6, 0.60), (0.0, 0.30))
 
 
+def measured_curve(x, points):
+    """y at `x` on a measured curve of (x, y) points: linear in log x / log y between them, flat beyond the ends
+    (no extrapolation past what was measured); points at the same x are averaged (geometrically)."""
+    xs = sorted({px for px, _ in points})
+    ys = [np.mean([np.log(py) for px, py in points if px == x0]) for x0 in xs]
+    return np.exp(np.interp(np.log(np.asarray(x, dtype=np.float64)), np.log(xs), ys))
+
+
 def memory_seconds(nbytes, cluster: Cluster, per_kernel_bytes=None):
     """Seconds to stream `nbytes` through device memory in kernels of `per_kernel_bytes` each (default: one kernel)
     at the achieved bandwidth for that size; a calibrated (measured) bandwidth is used as measured."""
     nbytes = np.asarray(nbytes, dtype=np.float64)
+    if cluster.measured_copy_curve:
+        size = nbytes if per_kernel_bytes is None else np.asarray(per_kernel_bytes, dtype=np.float64)
+        return nbytes / measured_curve(np.maximum(size, 1.0), cluster.measured_copy_curve)
     if cluster.measured_memory_bw or cluster.gpu.name not in SM_COUNT:
         return nbytes / cluster.memory_bw
     size = nbytes if per_kernel_bytes is None else np.asarray(per_kernel_bytes, dtype=np.float64)
@@ -61,10 +75,15 @@ def memory_seconds(nbytes, cluster: Cluster, per_kernel_bytes=None):
 
 def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
     """Seconds of `batch` GEMMs of [m x k] @ [k x n] at a large-GEMM rate of `rate` FLOP/s: tile and wave
-    quantization over the GPU's SMs (none on a CPU), and never faster than its bytes at memory bandwidth."""
+    quantization over the GPU's SMs (none on a CPU), and never faster than its bytes at memory bandwidth. With a
+    measured matmul curve: at `rate` x the curve's rate for this GEMM's intensity / its best measured rate."""
     m, n, k, batch = (np.asarray(x, dtype=np.float64) for x in (m, n, k, batch))
     rate = np.asarray(rate, dtype=np.float64)
     flops = 2.0 * m * n * k * batch
+    curve = cluster.measured_matmul_curve
+    if curve:  # the measurement holds the tiles, waves, caches and memory traffic this shape meets
+        best = max(y for _, y in curve)
+        return flops / (rate * measured_curve(2.0 * m * n * k / (m * k + k * n + m * n), curve) / best)
     sms = SM_COUNT.get(cluster.gpu.name)
     if sms is None or cluster.measured_matmul_flops:
         compute = flops / rate
@@ -127,3 +146,33 @@ def gpt_layer_seconds(args, tokens, seq_len, tp, rate, cluster: Cluster, elem_by
     )
     point = memory_seconds(point_bytes, cluster, point_bytes / 6)  # ~6 kernels per block forward
     return fwd + core_fwd + point, bwd + core_bwd + 2.0 * point, core_fwd
+
+
+# Bytes one pointwise kernel of the Llama block moves, in activations of tokens x dim: a binary op (residual add,
+# RoPE's multiply, gating) reads two and writes one. unconfirmed estimate: the block's kernels vary around it.
+LLAMA_KERNEL_ACTIVATIONS = 3.0
+
+
+def llama_layer_seconds(args, tokens, seq_len, tp, rate, attn_rate, pointwise_bytes, cluster: Cluster, elem_bytes):
+    """(forward, backward, pointwise forward) seconds of one Llama block on one tensor-parallel rank for `tokens`
+    tokens, each GEMM at the rate measured for its shape (a calibrated cluster): q/k/v/o, gate/up/down, and the
+    attention core as (sequences x local heads) GEMMs of s x s x head_dim at `attn_rate` (causal: half the
+    square, plan/shapes.py); pointwise ops stream `pointwise_bytes` in kernels of LLAMA_KERNEL_ACTIVATIONS
+    activations. Backward: the two GEMMs of each linear, twice the attention core and the pointwise bytes."""
+    h, f, d = float(args.dim), float(args.ffn_dim), float(args.head_dim)
+    q, kv = args.n_heads * d, args.n_kv_heads * d
+    tp = np.asarray(tp, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    e = np.asarray(elem_bytes, dtype=np.float64)
+    fwd = np.zeros(np.broadcast(tokens, tp, e).shape)
+    bwd = np.zeros_like(fwd)
+    for n_in, n_out in ((h, q / tp), (h, kv / tp), (h, kv / tp), (q / tp, h), (h, f / tp), (h, f / tp), (f / tp, h)):
+        lf, lb = linear_seconds(tokens, n_in, n_out, rate, cluster, e)
+        fwd, bwd = fwd + lf, bwd + lb
+    heads = tokens / seq_len * args.n_heads / tp
+    s = float(seq_len)
+    core = 0.5 * (
+        gemm_seconds(s, s, d, attn_rate, cluster, e, heads) + gemm_seconds(s, d, s, attn_rate, cluster, e, heads)
+    )
+    point = memory_seconds(pointwise_bytes, cluster, LLAMA_KERNEL_ACTIVATIONS * tokens * h * e / tp)
+    return fwd + core + point, bwd + 2.0 * core + 2.0 * point, point

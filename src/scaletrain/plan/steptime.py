@@ -22,7 +22,7 @@ import numpy as np
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MemoryOptions, holds_unsharded_grads
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
-from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds
+from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds, llama_layer_seconds, memory_seconds
 from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
@@ -46,6 +46,7 @@ LOSS_BYTES_PER_VOCAB = 24.0
 # 5h, wo's h, w2's ffn), cast again along the other axis for the weight gradient, and their output gradients
 # (q 1h, k/v 2·kv, wo 1h, w1/w3 2·ffn, w2 1h); each element read twice (amax, then scale) in bf16, written in fp8
 FP8_CAST_BYTES_PER_ELEMENT = 5.0
+GRAD_ACCUMULATOR_BYTES = 4.0  # gradients accumulate in fp32 (FSDP2's reduce dtype, Megatron's main_grad)
 ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
@@ -138,6 +139,15 @@ def time_breakdown(
     if args.block == "gpt":  # Megatron's GPT block, op by op on efficiency curves (plan/efficiency.py)
         layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, s, tp, r_mm, cluster, e)
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + loss_fwd
+    elif cluster.measured_matmul_curve:  # `scaletrain bench` curves: each GEMM and kernel at its measured rate
+        point_bytes = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp
+        layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
+            args, tok, s, tp, r_mm, r_attn, point_bytes, cluster, e
+        )
+        loss_bytes = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp
+        out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + memory_seconds(
+            loss_bytes, cluster, loss_bytes / 3
+        )
     # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
     layer = layer_fwd + layer_bwd
     body, head = cols["layers_body"] * layer, cols["layers_head"] * layer + 3.0 * out_fwd
@@ -221,6 +231,13 @@ def time_breakdown(
         ~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0
     )
 
+    # gradient accumulation: every micro-batch after a step's first adds its weight gradients into the accumulated
+    # ones (autograd's AccumulateGrad `grad += new`; Megatron-LM's DDP hook `main_grad.add_(grad)`, fp32): read
+    # the new gradient, read and write the fp32 accumulator, per local parameter, in one kernel per weight
+    accum_bytes = cols["n_local"] * (e + 2.0 * GRAD_ACCUMULATOR_BYTES)
+    accum_kernel = np.minimum(accum_bytes, (e + 2.0 * GRAD_ACCUMULATOR_BYTES) * args.dim * args.ffn_dim / tp)
+    accum_mb = (m - 1.0) / m * memory_seconds(accum_bytes, cluster, accum_kernel)
+    compute_mb = compute_mb + accum_mb
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
     # host falls behind the kernels (small models, small micro-batches)
