@@ -47,7 +47,6 @@ FAMILIES: dict[str, dict] = {
     ),
 }
 NO_TP = ("gpt2", "qwen3_moe")  # refused in one line (test_bad_input_is_one_line_before_launch)
-NO_PP = ("qwen3", "gemma2", "gpt2")  # tied embeddings: refused in one line under parallel.pp
 STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
 LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
@@ -95,7 +94,7 @@ def runs(folders, tmp_path_factory) -> Path:
 
 
 def _skipped(family: str, layout: str) -> bool:
-    return (family in NO_TP and layout.startswith("tp")) or (family in NO_PP and layout.startswith("pp"))
+    return family in NO_TP and layout.startswith("tp")
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -196,10 +195,6 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])
     for family in NO_TP:
         assert "use parallel.tp=1" in _refusal([f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1"])
-    for family in NO_PP:
-        assert "ties its output layer to the input embedding" in _refusal(
-            [f"model.hf={folders[family]}", "parallel.pp=2", "parallel.dp_shard=1"]
-        )
     three = save_hf_folder(tmp_path / "kv3", {**FAMILIES["llama"], "num_key_value_heads": 1})
     assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]

@@ -23,7 +23,7 @@ HF_SUPPORT = (
     "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
     "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
     "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not GPT-2, not MoE); "
-    "PP (not with tied embeddings)"
+    "PP (tied embeddings: a copy on the first and the last stage, gradients summed)"
 )
 
 # transformers' plan strings (integrations/tensor_parallel.py) that translate to torch ParallelStyles here
