@@ -46,7 +46,8 @@ FAMILIES: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
-NO_TP = ("gpt2", "qwen3_moe")  # refused in one line (test_bad_input_is_one_line_before_launch)
+NO_TP = ("qwen3_moe",)  # refused in one line (test_bad_input_is_one_line_before_launch)
+NO_SP = ("gpt2",)  # TP of its Conv1D layers, but not with sequence parallelism: refused in one line
 STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
 LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
@@ -94,7 +95,7 @@ def runs(folders, tmp_path_factory) -> Path:
 
 
 def _skipped(family: str, layout: str) -> bool:
-    return family in NO_TP and layout.startswith("tp")
+    return (family in NO_TP and layout.startswith("tp")) or (family in NO_SP and layout == "tp2sp")
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -195,6 +196,10 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])
     for family in NO_TP:
         assert "use parallel.tp=1" in _refusal([f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1"])
+    for family in NO_SP:
+        assert "use parallel.sequence_parallel=false" in _refusal(
+            [f"model.hf={folders[family]}", "parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"]
+        )
     three = save_hf_folder(tmp_path / "kv3", {**FAMILIES["llama"], "num_key_value_heads": 1})
     assert "does not divide model.hf config.json's num_key_value_heads=1" in _refusal(
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
