@@ -182,9 +182,6 @@ class ModelSpec(ABC):
         """ValueError (one line) when `tp` cannot split this model's heads or matmuls."""
         raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
 
-    def check_sequence_parallel(self) -> None:
-        """ValueError (one line) when this family's TP plan cannot run with sequence parallelism."""
-
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         """{module path: ParallelStyle} for `model` (or a stage of it)."""
         raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")

@@ -109,8 +109,6 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
             raise ValueError(
                 "parallel.sequence_parallel: needs parallel.tp_plan=model (the auto plan shards only the linears)"
             )
-        if p.sequence_parallel:
-            spec.check_sequence_parallel()
     if dims.cp > 1:
         check_context_parallel(cfg, spec, dims)
     if dims.pp > 1:

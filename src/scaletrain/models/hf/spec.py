@@ -264,16 +264,6 @@ class HFSpec(ModelSpec):
         except ValueError as e:  # the fields are config.json's, not model.*
             raise ValueError(str(e).replace("model.", "model.hf config.json's ")) from None
 
-    def check_sequence_parallel(self) -> None:
-        from scaletrain.models.hf.tp import base_plan, conv1d_plan
-
-        if not base_plan(self) and conv1d_plan(self):
-            raise ValueError(
-                f"parallel.sequence_parallel: {self.architecture}'s Conv1D layers split by scaletrain's own plan "
-                f"do not give the single-process losses with sequence parallelism yet; use "
-                f"parallel.sequence_parallel=false"
-            )
-
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         from scaletrain.models.hf.tp import hf_tp_plan
 

@@ -1,7 +1,7 @@
 """Tensor (+ sequence) parallelism for transformers' models, from the model's own `base_model_tp_plan`: its
 strings translated to torch's ParallelStyles. GPT-2 has no plan: its Conv1D layers (weight [in, out]) are split
-here by structure, the fused q|k|v c_attn so that each rank holds whole heads of all three (without sequence
-parallelism). Other models without a plan and plan entries with no torch counterpart here (packed MoE experts) are
+here by structure, the fused q|k|v c_attn so that each rank holds whole heads of all three; with sequence
+parallelism its residual stream leaves the last layer whole (GPT-2's model views it as (-1, S, hidden)). Other models without a plan and plan entries with no torch counterpart here (packed MoE experts) are
 refused before launch, never split wrongly.
 
 The embedding is split along the hidden dim and gathered whole: transformers computes the causal mask, position
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 HF_SUPPORT = (
     "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
     "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
-    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not MoE), TP without "
-    "SP for GPT-2's Conv1D layers; "
+    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not MoE) and for "
+    "GPT-2's Conv1D layers; "
     "PP (tied embeddings: a copy on the first and the last stage, gradients summed)"
 )
 
@@ -241,7 +241,9 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
             others = (None,) * 3 if conv1d else ()
             into = (Replicate() if i == 0 else Shard(1), *others)
             sharded = (Shard(1), *others)
-            if out is None and i == len(children) - 1:  # the last layer of a stage before the last: gathered
+            # the last layer of a stage before the last, or of GPT-2 (its model views the output as (-1, S, hidden)
+            # with the S it was fed): gathered whole
+            if (out is None or conv1d) and i == len(children) - 1:
                 plan[lpath] = PrepareModuleInputOutput(
                     input_layouts=into,
                     desired_input_layouts=sharded,
@@ -270,7 +272,7 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
     if out is not None:
-        if sp:  # the final norm: a Norm child of the module holding the layers, on sequence shards
+        if sp and not conv1d:  # the final norm: a Norm child of the module holding the layers, on sequence shards
             parent_path = cpath.rsplit(".", 1)[0] if "." in cpath else ""
             for child_name, child in model.get_submodule(parent_path).named_children():
                 if "Norm" in type(child).__name__:
@@ -278,7 +280,10 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
         logits = Shard(-1) if loss_parallel else Replicate()
         if spec.tied:
             plan[names[out]] = _tied_head(
-                emb, input_layouts=act, output_layouts=logits, use_local_output=not loss_parallel
+                emb,
+                input_layouts=Replicate() if conv1d else act,
+                output_layouts=logits,
+                use_local_output=not loss_parallel,
             )
         else:
             plan[names[out]] = ColwiseParallel(
