@@ -175,6 +175,11 @@ class ModelSpec(ABC):
     def check_pp(self, pp: int) -> None:
         """ValueError (one line) when this family cannot be cut into pipeline stages."""
 
+    def shared_across_stages(self) -> tuple[str, ...]:
+        """Plain names of parameters both the first and the last pipeline stage hold a copy of (a tied input
+        embedding and output layer): their gradients are summed across the two after every backward."""
+        return ()
+
     # -- tensor parallelism ---------------------------------------------------------------------------------
     def check_tp(self, tp: int) -> None:
         """ValueError (one line) when `tp` cannot split this model's heads or matmuls."""

@@ -27,7 +27,7 @@ from scaletrain.parallel.blocks import ShardRule
 from scaletrain.parallel.context_parallel import ContextParallel, apply_context_parallel, pick_cp_method
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from scaletrain.parallel.dims import ParallelDims
-from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, stages_of_rank
+from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, shared_copies, stages_of_rank
 from scaletrain.parallel.tensor_parallel import TPOptions, apply_tensor_parallel
 
 
@@ -196,4 +196,7 @@ def apply_parallelism(
     pipeline = build_pipeline(
         parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches, bounds
     )
+    shared = spec.shared_across_stages()
+    if shared:
+        pipeline.shared = shared_copies(parts, stage_ids, shared, n_stages, mesh, parallel.pp_schedule)
     return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False, contexts[0], _bind(after_step, parts))

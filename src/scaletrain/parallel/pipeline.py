@@ -133,6 +133,7 @@ class Pipeline:
         self.has_last = any(s.is_last for s in stages)
         self.loss_scale = 1.0
         self.bounds = bounds  # [start, end) block range of every stage
+        self.shared: SharedCopies | None = None  # parameters tied across stages (set by apply_parallelism)
         self._token_losses: list[torch.Tensor] = []
         order = getattr(schedule, "pipeline_order", None)
         self.bubble = bubble_fraction(order, n_stages, 1.0, 1.0, 1.0) if order else None
@@ -178,6 +179,70 @@ class Pipeline:
             f"pipeline {self.schedule_name}: {self.n_stages} stages{layers}, {self.n_microbatches} "
             f"micro-batches{bubble}"
         )
+
+
+class SharedCopies:
+    """Copies of one parameter held by several stages (a tied embedding on the first stage, output layer on the
+    last): they start equal and stay equal because, after every backward, each copy's gradient becomes their sum,
+    over the ranks of `group` (one pipeline's ranks holding a copy; None when this rank holds all of them).
+    Only the first stage's copy counts in the global gradient norm."""
+
+    def __init__(self, copies: list[nn.Parameter], uncounted: list[nn.Parameter], group):
+        self.copies = copies
+        self.uncounted = {id(p) for p in uncounted}
+        self.group = group
+
+    def reduce_grads(self) -> None:
+        import torch.distributed as dist
+
+        if not self.copies:
+            return
+        with torch.no_grad():
+            grads = []
+            for p in self.copies:
+                if p.grad is None:  # a copy this step did not reach: contributes zero
+                    p.grad = torch.zeros_like(p)
+                g = p.grad
+                grads.append(g.to_local() if hasattr(g, "to_local") else g)
+            total = grads[0].clone() if len(grads) > 1 else grads[0]
+            for g in grads[1:]:
+                total.add_(g)
+            if self.group is not None:
+                dist.all_reduce(total, group=self.group)
+            for g in grads:
+                if g is not total:
+                    g.copy_(total)
+
+
+def shared_copies(
+    parts: list[nn.Module], stage_ids: list[int], names: tuple[str, ...], n_stages: int, mesh, schedule: str
+) -> SharedCopies:
+    """This rank's copies of the parameters named `names` (plain names) that the first and the last stage both
+    hold, and a group per pipeline of the ranks running those two stages (every rank creates every group, in the
+    same order, as new_group requires)."""
+    import torch.distributed as dist
+
+    from scaletrain.models.naming import plain_param_name
+
+    copies, uncounted = [], []
+    for part, sid in zip(parts, stage_ids):
+        for name, p in part.named_parameters():
+            if plain_param_name(name) in names:
+                copies.append(p)
+                if sid != 0:
+                    uncounted.append(p)
+    pp = mesh["pp"].size()
+    owners = sorted({r for r in range(pp) if {0, n_stages - 1} & set(stages_of_rank(r, pp, n_stages, schedule))})
+    group = None
+    if len(owners) > 1:
+        dim = list(mesh.mesh_dim_names).index("pp")
+        pipelines = mesh.mesh.movedim(dim, -1).reshape(-1, pp).tolist()
+        me = dist.get_rank()
+        for ranks in pipelines:
+            g = dist.new_group([ranks[r] for r in owners])
+            if me in ranks:
+                group = g
+    return SharedCopies(copies, uncounted, group)
 
 
 class PipelinedModel(nn.ModuleList):

@@ -212,9 +212,13 @@ class Job:
         skip_nonfinite: when the global norm is NaN/Inf, drop this step's update (every rank sees the same norm,
         so all skip together). With fp16 the loss scaler already skips such steps and lowers the scale.
         """
+        shared = self.pipeline.shared if self.pipeline is not None else None
+        if shared is not None:  # tied copies on two stages: each gets their summed gradient, counted once
+            shared.reduce_grads()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = global_grad_norm(self._params, self._pp_group)
+        counted = self._params if shared is None else [p for p in self._params if id(p) not in shared.uncounted]
+        norm = global_grad_norm(counted, self._pp_group)
         if skip_nonfinite and self.scaler is None and not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return norm

@@ -230,6 +230,12 @@ class HFSpec(ModelSpec):
 
             check_stages(self)
 
+    def shared_across_stages(self) -> tuple[str, ...]:
+        if not self.tied:
+            return ()
+        emb = cast(Any, self.meta_model).get_input_embeddings()
+        return (next(n for n, m in self.meta_model.named_modules() if m is emb) + ".weight",)
+
     def has_output(self, model: nn.Module) -> bool:
         return cast(Any, model).get_output_embeddings() is not None
 

@@ -8,7 +8,11 @@ others feed the previous stage's hidden states as `inputs_embeds`; the base mode
 masks and rotary tables from their shape as it does for the whole model. What the base model does to the embedding
 output before its layers (GPT-2: learned positions, dropout) is the first stage's: on later stages those modules
 add nothing. Each stage's config copy says which layers it holds (`num_hidden_layers`, `layer_types`), because
-transformers picks a layer's mask by its position in the list it runs."""
+transformers picks a layer's mask by its position in the list it runs.
+
+A tied output layer keeps its embedding module on the last stage too (never called there: that stage is fed
+`inputs_embeds`), so both stages name the shared weight as the whole model does and start from the same numbers;
+the pipeline sums the two copies' gradients after every backward (Megatron's tying across stages)."""
 
 from __future__ import annotations
 
@@ -55,11 +59,6 @@ def outer_modules(spec: Any, model: nn.Module) -> tuple[str, dict[str, nn.Module
 def check_stages(spec: Any) -> None:
     """ValueError (one line) when the base model holds parameters a stage could not place: anything besides the
     input embedding, learned positions (nn.Embedding), the final norm and parameter-free modules."""
-    if spec.tied:
-        raise ValueError(
-            f"parallel.pp: {spec.architecture} ties its output layer to the input embedding, which pipeline stages "
-            f"would hold apart (their gradients are not summed across stages yet); use parallel.pp=1"
-        )
     model = spec.meta_model
     emb = cast(Any, model).get_input_embeddings()
     _, outer = outer_modules(spec, model)
@@ -112,8 +111,9 @@ def cut_stage(spec: Any, model: nn.Module, stage: int, n_stages: int, bounds: tu
     cfg.__dict__[layers_key] = end - start
     emb = cast(Any, part).get_input_embeddings()
     for name, child in outer.items():
-        if not first and child is emb:
-            setattr(base, name, None)
+        if child is emb:
+            if not first and not (last and spec.tied):  # a tied one stays with the head that shares its weight
+                setattr(base, name, None)
         elif not first and isinstance(child, nn.Embedding):
             setattr(base, name, NoPositions())
         elif not first and isinstance(child, nn.Dropout):

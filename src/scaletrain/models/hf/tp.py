@@ -1,6 +1,7 @@
 """Tensor (+ sequence) parallelism for transformers' models, from the model's own `base_model_tp_plan`: its
-strings translated to torch's ParallelStyles. Models without a plan (GPT-2: fused c_attn in Conv1D layout, which a
-column split would mix across q/k/v) and plan entries with no torch counterpart here (packed MoE experts) are
+strings translated to torch's ParallelStyles. GPT-2 has no plan: its Conv1D layers (weight [in, out]) are split
+here by structure, the fused q|k|v c_attn so that each rank holds whole heads of all three; with sequence
+parallelism its residual stream leaves the last layer whole (GPT-2's model views it as (-1, S, hidden)). Other models without a plan and plan entries with no torch counterpart here (packed MoE experts) are
 refused before launch, never split wrongly.
 
 The embedding is split along the hidden dim and gathered whole: transformers computes the causal mask, position
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 HF_SUPPORT = (
     "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
     "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
-    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not GPT-2, not MoE); "
-    "PP (not with tied embeddings)"
+    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not MoE) and for "
+    "GPT-2's Conv1D layers; "
+    "PP (tied embeddings: a copy on the first and the last stage, gradients summed)"
 )
 
 # transformers' plan strings (integrations/tensor_parallel.py) that translate to torch ParallelStyles here
@@ -34,9 +36,38 @@ def base_plan(spec: Any) -> dict[str, str]:
     return dict(getattr(spec.config, "base_model_tp_plan", None) or {})
 
 
+# GPT-2's decoder layer in transformers' Conv1D layout (weight [in, out]): what each projection's split is
+CONV1D_PLAN = {
+    "attn.c_attn": "fused_qkv_colwise",
+    "attn.c_proj": "rowwise",
+    "mlp.c_fc": "colwise",
+    "mlp.c_proj": "rowwise",
+}
+
+
+def conv1d_plan(spec: Any) -> dict[str, str]:
+    """{layer-relative path: split} when every decoder layer is GPT-2's Conv1D block with a fused q|k|v c_attn
+    of 3 x hidden outputs (no cross-attention), else {}."""
+    model = spec.meta_model
+    hidden = int(spec.config.hidden_size)
+    for layer in spec.blocks(model):
+        for path in CONV1D_PLAN:
+            try:
+                mod = layer.get_submodule(path)
+            except AttributeError:
+                return {}
+            if type(mod).__name__ != "Conv1D":
+                return {}
+        if layer.get_submodule("attn.c_attn").weight.shape[1] != 3 * hidden or hasattr(layer, "crossattention"):
+            return {}
+    return dict(CONV1D_PLAN)
+
+
 def check_plan(spec: Any, tp: int) -> None:
     """ValueError (one line) when tensor parallelism cannot split this model correctly."""
     plan = base_plan(spec)
+    if not plan and conv1d_plan(spec):
+        return
     if not plan:
         raise ValueError(
             f"parallel.tp: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
@@ -59,6 +90,75 @@ def _tied_head(embedding: nn.Module, **kwargs):
             module.weight = embedding.weight
 
     return TiedHead(**kwargs)
+
+
+def _conv1d_styles(act) -> dict:
+    """ParallelStyles for transformers' Conv1D (y = x @ W + b, W stored [in, out]): column-wise shards W's dim 1
+    and b; row-wise shards W's dim 0, b whole; the fused q|k|v projection gives each rank its heads of q, k and v."""
+    from functools import partial
+
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def shard(module, mesh, placements: dict) -> None:
+        for name, placement in placements.items():
+            p = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p, mesh, [placement]), p.requires_grad))
+
+    def apply(style, module, device_mesh, placements: dict):
+        return distribute_module(
+            module,
+            device_mesh,
+            lambda name, mod, mesh: shard(mod, mesh, placements),
+            partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+        )
+
+    class ColwiseConv1D(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            return apply(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
+
+    class RowwiseConv1D(RowwiseParallel):
+        def _apply(self, module, device_mesh):
+            self.desired_input_layouts = (Shard(-1),)
+            return apply(self, module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
+
+    class FusedQKVConv1D(ParallelStyle):
+        """c_attn's output columns are [q | k | v], each of heads x head_dim: _StridedShard(split_factor=3) gives
+        rank r the r-th slice of each of the three, so its local output is [q_r | k_r | v_r] over whole heads (the
+        layout checkpoints and full_tensor() read); the attention then splits by hidden / tp."""
+
+        def __init__(self, attention: nn.Module):
+            super().__init__()
+            self.attention = attention
+
+        def _apply(self, module, device_mesh):
+            shard(
+                module,
+                device_mesh,
+                {"weight": _StridedShard(1, split_factor=3), "bias": _StridedShard(0, split_factor=3)},
+            )
+            self.attention.split_size //= device_mesh.size()
+
+            def forward(x):
+                # whole activations in; their gradient is partial over the ranks' heads: summed in backward
+                xl = DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()]
+                )
+                out = torch.addmm(module.bias.to_local(), xl.reshape(-1, xl.size(-1)), module.weight.to_local())
+                return out.view(*xl.shape[:-1], -1)
+
+            module.forward = forward
+            return module
+
+    return {
+        "colwise": lambda layer: ColwiseConv1D(),
+        "rowwise": lambda layer: RowwiseConv1D(output_layouts=act),
+        "fused_qkv_colwise": lambda layer: FusedQKVConv1D(layer.get_submodule("attn")),
+    }
 
 
 def _replicated():
@@ -109,6 +209,8 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
         "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
     }
     plan: dict = {}
+    conv1d = {} if base_plan(spec) else conv1d_plan(spec)
+    conv1d_styles = _conv1d_styles(act) if conv1d else {}
     emb = m.get_input_embeddings()
     if emb is not None:  # None on pipeline stages after the first
         plan[names[emb]] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -119,6 +221,8 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
     children = list(container.named_children())
     for i, (key, layer) in enumerate(children):
         lpath = f"{cpath}.{key}"
+        for rest, style in conv1d.items():
+            plan[f"{lpath}.{rest}"] = conv1d_styles[style](layer)
         for pattern, style in base_plan(spec).items():
             head, _, rest = pattern.partition(".*.")
             if head != layer_attr:
@@ -132,32 +236,43 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
         if sp:
             # the whole residual stream enters the first layer (of the model, or of a pipeline stage: stages hand
             # each other whole hidden states, transformers reads the sequence length from them)
-            into = (Replicate() if i == 0 else Shard(1),)
-            if out is None and i == len(children) - 1:  # the last layer of a stage before the last: gathered
+            # GPT-2's model hands its block 4 positional arguments (hidden states, cache, mask, encoder states):
+            # only the first is laid out
+            others = (None,) * 3 if conv1d else ()
+            into = (Replicate() if i == 0 else Shard(1), *others)
+            sharded = (Shard(1), *others)
+            # the last layer of a stage before the last, or of GPT-2 (its model views the output as (-1, S, hidden)
+            # with the S it was fed): gathered whole
+            if (out is None or conv1d) and i == len(children) - 1:
                 plan[lpath] = PrepareModuleInputOutput(
                     input_layouts=into,
-                    desired_input_layouts=(Shard(1),),
+                    desired_input_layouts=sharded,
                     use_local_input=True,
                     output_layouts=(Shard(1),),
                     desired_output_layouts=(Replicate(),),
                 )
             else:
                 plan[lpath] = PrepareModuleInput(
-                    input_layouts=into, desired_input_layouts=(Shard(1),), use_local_output=True
+                    input_layouts=into, desired_input_layouts=sharded, use_local_output=True
                 )
             for child_name, child in layer.named_children():
                 if "Norm" in type(child).__name__:
                     plan[f"{lpath}.{child_name}"] = SequenceParallel(use_local_output=True)
-            plan[f"{lpath}.self_attn"] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Shard(1)},
-                desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                use_local_output=True,
-            )
+            if hasattr(layer, "self_attn"):
+                plan[f"{lpath}.self_attn"] = PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                )
+            else:  # GPT-2's attn, called with hidden states as its first argument
+                plan[f"{lpath}.attn"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                )
             plan[f"{lpath}.mlp"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
     if out is not None:
-        if sp:  # the final norm: a Norm child of the module holding the layers, on sequence shards
+        if sp and not conv1d:  # the final norm: a Norm child of the module holding the layers, on sequence shards
             parent_path = cpath.rsplit(".", 1)[0] if "." in cpath else ""
             for child_name, child in model.get_submodule(parent_path).named_children():
                 if "Norm" in type(child).__name__:
@@ -165,7 +280,10 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
         logits = Shard(-1) if loss_parallel else Replicate()
         if spec.tied:
             plan[names[out]] = _tied_head(
-                emb, input_layouts=act, output_layouts=logits, use_local_output=not loss_parallel
+                emb,
+                input_layouts=Replicate() if conv1d else act,
+                output_layouts=logits,
+                use_local_output=not loss_parallel,
             )
         else:
             plan[names[out]] = ColwiseParallel(
