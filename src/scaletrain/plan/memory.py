@@ -164,11 +164,15 @@ def layer_activation_bytes_per_token(
     return 2 * norm / t + 2 * e * h + attention + 4 * a / t + swiglu
 
 
-def cp_extra_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp, cp, ac_code):
+def cp_extra_activation_bytes_per_token(
+    args: DecoderShape, elem_bytes, tp, cp, ac_code, fused_norm: bool = True, lean: bool = True
+):
     """Bytes per local token one block keeps on top of layer_activation_bytes_per_token under context parallelism
     (all-gather method): attention keeps K and V of the whole sequence, cp times its own tokens. Without
     checkpointing they are the repeated K and V (every query head: 2h per token); selective checkpointing keeps
-    the gathered KV heads (the all-gather's output) and recomputes the repeat; full keeps the block input only."""
+    the gathered KV heads (the all-gather's output) and recomputes the repeat; full keeps the block input only.
+    The all-gather attention always repeats K and V, so where the lean block would have kept its own tokens' K and V
+    unrepeated (SDPA's enable_gqa), the repeated local copy is counted instead."""
     e = np.asarray(elem_bytes, dtype=np.float64)
     t = np.asarray(tp, dtype=np.float64)
     kv = args.n_kv_heads * args.head_dim
@@ -176,7 +180,10 @@ def cp_extra_activation_bytes_per_token(args: DecoderShape, elem_bytes, tp, cp, 
     per_global = np.select(
         [np.asarray(ac_code) == 0, np.asarray(ac_code) == 1], [2 * e * args.dim / t, 2 * e * kv_local], 0.0
     )
-    return per_global * (np.asarray(cp, dtype=np.float64) - 1.0)
+    c = np.asarray(cp, dtype=np.float64)
+    gqa = lean & ((e < 4) | (not fused_norm))
+    unrepeated = np.where(gqa & (np.asarray(ac_code) == 0), 2 * e * args.dim / t - 2 * e * kv_local, 0.0)
+    return per_global * (c - 1.0) + np.where(c > 1, unrepeated, 0.0)
 
 
 def cp_mask_bytes(seq_len: int, cp, elem_bytes):
@@ -296,14 +303,14 @@ def memory_breakdown(
     tok = grid.micro_batch * work.seq_len / grid.cp
     fused = on_gpu
     act = np.zeros(len(grid))
+    lean = options.lean_activations
     for code, mode in enumerate(("none", "selective", "full")):
         sel = grid.ac == code
         if sel.any():
-            per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused, options.lean_activations)
+            per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused, lean)
             act[sel] = per * tok[sel]  # one block's, per micro-batch
-    act = act + cp_extra_activation_bytes_per_token(args, e, grid.tp, grid.cp, grid.ac) * tok
+    act = act + cp_extra_activation_bytes_per_token(args, e, grid.tp, grid.cp, grid.ac, fused, lean) * tok
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
-    lean = options.lean_activations
     out = (
         output_layer_saved_bytes_per_token(args, e, grid.tp, fused, lean)
         + output_layer_transient_bytes_per_token(args, e, grid.tp, lean)
