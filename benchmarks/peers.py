@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "probe"
 ROOT = HERE.parent
@@ -226,8 +228,13 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
             command(name, a), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True
         )
         done_at = None
+        ranks: dict[int, psutil.Process] = {}  # every process the run started, whatever session it moved to
         while proc.poll() is None:
             time.sleep(0.2)
+            try:
+                ranks.update((c.pid, c) for c in psutil.Process(proc.pid).children(recursive=True))
+            except psutil.Error:
+                pass
             now = time.time()
             if done_at is None and _steps_done(probe, a.steps, a.nproc):
                 done_at = now
@@ -239,6 +246,12 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        # Fabric's launcher starts its other ranks as children that can outlive it in a session of their own
+        for rank in ranks.values():
+            try:
+                rank.kill()
+            except psutil.Error:
+                pass
     if not _steps_done(probe, a.steps, a.nproc) or (done_at is None and proc.returncode != 0):
         raise RuntimeError(
             f"{name} exited {proc.returncode} before its last step; last output:\n{log.read_text()[-3000:]}"
