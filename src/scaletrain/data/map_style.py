@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from scaletrain.data.order import permutation
+
 
 class StepSampler(Sampler[list[int]]):
     """Batch sampler: this rank's sample indices of every optimizer step from global sample `start` on, forever
@@ -36,7 +38,7 @@ class StepSampler(Sampler[list[int]]):
     def order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed * 7_919 + epoch))
+        return torch.from_numpy(permutation(self.num_samples, self.seed, epoch))  # the token loader's order rule
 
     def __iter__(self) -> Iterator[list[int]]:
         pos = self.start
