@@ -41,6 +41,19 @@ def run_cli(
     return proc
 
 
+def torchrun(nproc: int, args: list[str], cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`args` (a script and its arguments, or `-m module ...`) under torch's own launcher on `nproc` local ranks with
+    a free rendezvous port, or as one plain process for nproc 1; one thread per rank; must exit 0."""
+    cmd = [sys.executable, *args]
+    if nproc > 1:
+        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        cmd = [sys.executable, *launcher, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 

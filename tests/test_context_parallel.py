@@ -8,17 +8,14 @@ Launches are shared: one process (reference), one 2-rank launch, one 8-rank laun
 tests/parallel_runner.py (the trainer's own pieces), and two `scaletrain train` runs for the checkpoint."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-from conftest import losses, run_cli
+from conftest import losses, run_cli, torchrun
 from test_parallel_layouts import RUNNER, runner_losses, runner_state
 
 from scaletrain.cli.main import main
@@ -58,12 +55,7 @@ def _launch(nproc: int, jobs: dict[str, list[str]], out: Path, activations: set[
     out.mkdir(parents=True, exist_ok=True)
     rows = [{"name": n, "overrides": [*BASE, *o], "activations": n in activations} for n, o in jobs.items()]
     spec.write_text(json.dumps(rows))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-    cmd = [*(torchrun if nproc > 1 else [sys.executable]), str(RUNNER), str(spec), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=900)
 
 
 @pytest.fixture(scope="module")

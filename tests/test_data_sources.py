@@ -4,13 +4,12 @@ world sizes in real processes."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from conftest import torchrun
 from data_helpers import random_documents, write_megatron, write_prepared
 from scaletrain.config import DataConfig
 from scaletrain.config.schema import MixEntry
@@ -141,11 +140,7 @@ def test_read_only_data_folder_caches_elsewhere(tmp_path, monkeypatch):
 
 
 def _launch(nproc: int, args: list[str], cwd: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(RUNNER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(nproc, [str(RUNNER), *args], cwd=cwd, timeout=300)
 
 
 def test_resume_from_two_to_four_real_ranks_sees_every_sample_once_per_epoch(tmp_path):

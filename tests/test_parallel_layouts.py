@@ -8,15 +8,12 @@ tests/parallel_runner.py, which trains with the trainer's own pieces and gathers
 parallelism)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, losses, run_cli
+from conftest import FAST, losses, run_cli, torchrun
 
 # Worst measured (torch 2.13, 2 CPU cores): per-step loss 9.5e-7 (tp2_sp, fsdp2_tp2, ddp2_pp2, pp2_fsdp2_tp2_sp),
 # final parameter 1.4e-6 (pp2_fsdp2_tp2_sp), compiled blocks' loss 0: a 7x margin, the bound README states.
@@ -47,26 +44,7 @@ def launch_runner(nproc: int, jobs: dict[str, list[str]], out: Path, timeout: fl
     spec = out / f"jobs{nproc}.json"
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o]} for n, o in jobs.items()]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc == 1:
-        cmd = [sys.executable, str(RUNNER), str(spec), str(out)]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "127.0.0.1:0",
-            str(RUNNER),
-            str(spec),
-            str(out),
-        ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=timeout)
 
 
 def runner_losses(out: Path) -> list[float]:

@@ -2,13 +2,9 @@
 accumulation all see the same global batch and must produce the same per-step loss.
 Each layout is one real `scaletrain train` launch; the DDP one runs under an external torchrun."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import FAST, losses, run_cli, val_losses
+from conftest import FAST, losses, run_cli, torchrun, val_losses
 
 TOL = 1e-5
 
@@ -27,26 +23,7 @@ def runs(tmp_path_factory):
     for name, (flags, extra) in layouts.items():
         run_cli(["train", *FAST, f"run.name={name}", *extra, *flags], cwd)
     # DDP under an external torchrun: `scaletrain train` runs as the rank it was started as
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-        "-m",
-        "scaletrain.cli.main",
-        "train",
-        *FAST,
-        "run.name=ddp",
-        "parallel.dp_replicate=2",
-    ]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(2, ["-m", "scaletrain.cli.main", "train", *FAST, "run.name=ddp", "parallel.dp_replicate=2"], cwd=cwd)
     return {name: cwd / "runs" / name for name in [*layouts, "ddp"]}
 
 

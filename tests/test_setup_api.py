@@ -1,45 +1,21 @@
 """`scaletrain.setup()` on a user's own model and loop, as the documented examples run it under torchrun."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import run_cli
+from conftest import run_cli, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_loop.py"
 
 
-def _cmd(script: Path, args, nproc):
-    if nproc == 1:
-        return [sys.executable, str(script), *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        "127.0.0.1:0",
-        str(script),
-        *args,
-    ]
-
-
 def _launch(script: Path, args, nproc, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(_cmd(script, args, nproc), capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return torchrun(nproc, [str(script), *args], timeout=timeout)
 
 
 def _run(args, nproc):
