@@ -5,6 +5,7 @@ shell) preempts it mid-run, the job is requeued, resumes on both nodes from the 
 step's loss equal to the single-process run's. One job covers both, to keep the wall time small."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,7 +64,8 @@ def _wait(slurm, job_id: str, done, what: str, timeout: float) -> dict[str, str]
 
 @pytest.mark.slow
 def test_two_node_job_is_preempted_and_resumes_on_both_nodes(slurm, tmp_path: Path) -> None:
-    # the single-process reference runs on the host meanwhile
+    # the single-process reference runs on the host meanwhile, on one thread: two OpenMP threads fighting the
+    # job's four ranks for 2 cores made its steps 10x slower
     ref_err = tmp_path / "single.err"
     with ref_err.open("w") as err:
         ref = subprocess.Popen(
@@ -71,6 +73,7 @@ def test_two_node_job_is_preempted_and_resumes_on_both_nodes(slurm, tmp_path: Pa
             cwd=tmp_path,
             stdout=subprocess.DEVNULL,
             stderr=err,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
     launch = [sys.executable, "-m", "scaletrain.cli.main", "launch", "slurm", *JOB, "run.name=two"]
     launch += ["--nodes", "2", "--gpus-per-node", "0", "--nproc-per-node", "2", "--time", "30:00"]
