@@ -5,7 +5,8 @@ meets the others at a c10d rendezvous on the first host of the allocation. Preem
 `--signal=B:USR1@N` reaches the batch shell N seconds before the end; it forwards the signal to the `srun` step,
 which forwards it to every agent; the trainer checkpoints and exits EXIT_REQUEUE (75); the shell then calls
 `scontrol requeue`, and the rerun resumes from the newest checkpoint under the run folder. The output file is
-opened in append mode so the rerun adds to it.
+opened in append mode so the rerun adds to it. The rendezvous host is named by its Slurm NodeAddr, the address
+slurmctld itself reaches it by, so node names need not resolve on the nodes.
 
 Quoting: every user string in the shell body goes through shlex.quote. `#SBATCH` lines are not read by the shell
 but by sbatch's own parser, which knows double quotes and backslash escapes (not single quotes) and treats an
@@ -160,19 +161,25 @@ PYTHON={q(python)}
 CONFIG={q(str(config_path))}
 NPROC_PER_NODE={opts.ranks_per_node()}
 
-# c10d rendezvous on the allocation's first host
+# c10d rendezvous on the allocation's first host, at the address Slurm itself reaches it by (its NodeAddr;
+# Slurm defaults that to the node name): a node name need not resolve on the nodes
 HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+HEAD_ADDR=$(scontrol show node "$HEAD" -o 2>/dev/null | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')
+HEAD_ADDR=${{HEAD_ADDR:-$HEAD}}
+case "$HEAD_ADDR" in *:*) HEAD_ADDR="[$HEAD_ADDR]" ;; esac   # an IPv6 address: [addr]:port
 PORT={port_expr}
 echo "scaletrain: job $SLURM_JOB_ID attempt $(( ${{SLURM_RESTART_COUNT:-0}} + 1 ))" \
-  "on $SLURM_JOB_NUM_NODES node(s), rendezvous $HEAD:$PORT"
+  "on $SLURM_JOB_NUM_NODES node(s), rendezvous $HEAD_ADDR:$PORT ($HEAD)"
 
 # a signal before the step starts is remembered and forwarded once it runs
 STEP_PID=
 PENDING_SIGNAL=
+FORWARDED=
 forward_signal() {{
   echo "scaletrain: $1 received, asking the ranks to checkpoint and stop"
   if [ -n "$STEP_PID" ]; then
     kill -s "$1" "$STEP_PID" 2>/dev/null || true   # srun forwards it to every node's agent
+    FORWARDED=$1
   else
     PENDING_SIGNAL=$1
   fi
@@ -185,7 +192,7 @@ trap 'forward_signal USR1' USR1
 srun --mpi=none --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   ${{SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"}} \\
   "$PYTHON" -m scaletrain.cli.main train "$CONFIG" --nproc-per-node "$NPROC_PER_NODE" \\
-  launch.nnodes="$SLURM_JOB_NUM_NODES" launch.rdzv_endpoint="$HEAD:$PORT" &
+  launch.nnodes="$SLURM_JOB_NUM_NODES" launch.rdzv_endpoint="$HEAD_ADDR:$PORT" &
 STEP_PID=$!
 [ -z "$PENDING_SIGNAL" ] || forward_signal "$PENDING_SIGNAL"
 
@@ -194,8 +201,11 @@ while :; do
   kill -0 "$STEP_PID" 2>/dev/null || break   # wait returned for a trapped signal: the step still runs
 done
 
-if [ "$rc" -eq "$EXIT_REQUEUE" ]; then
-  echo "scaletrain: checkpoint saved, requeueing job $SLURM_JOB_ID; the rerun resumes from it"
+# After a forwarded signal, any failure code is a preemption too: with several nodes, --kill-on-bad-exit ends the
+# step as soon as the first agent exits $EXIT_REQUEUE and kills a node still shutting down (srun then reports 143).
+# The ranks of every node saved the checkpoint together before any exited; the rerun resumes from the newest one.
+if [ "$rc" -eq "$EXIT_REQUEUE" ] || {{ [ -n "$FORWARDED" ] && [ "$rc" -ne 0 ]; }}; then
+  echo "scaletrain: preempted (step exit $rc), requeueing job $SLURM_JOB_ID; the rerun resumes from the newest checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
