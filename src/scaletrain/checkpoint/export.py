@@ -1,18 +1,20 @@
-"""Consolidating a distributed checkpoint into one file set, and importing Hugging Face weights.
+"""Exporting a distributed checkpoint into files others load, and importing Hugging Face weights.
 
 Formats:
-- safetensors: `model.safetensors` with scaletrain's own parameter names (+ `config.json` of the model spec).
+- safetensors: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + index) with scaletrain's own parameter
+  names (+ `config.json` of the model spec).
 - torch: `model.pt`, a plain state dict readable with `torch.load(..., weights_only=True)`.
 - hf: a Hugging Face transformers folder (`config.json` + safetensors), through the model family's adapter
   (ModelSpec.hf; the built-in Llama's maps names and permutes the rotary projections, models/llama/hf.py; a
-  `model.hf` model is written by transformers' own save_pretrained: shards, index, per-expert MoE layout).
+  `model.hf` model's reverses transformers' load-time conversions with transformers' own revert_weight_conversion,
+  so packed MoE experts are written expert by expert as save_pretrained writes them).
 
 safetensors and hf stream: the output files are planned from the DCP metadata alone (names, shapes, dtypes; the
 conversion run on meta tensors; shards cut by huggingface_hub's split_torch_state_dict_into_shards, as
 save_pretrained cuts them), then each file is filled by a DCP load of only the entries it needs, converted and
-written before the next: peak memory is about one output shard (--max-shard-size), never the model. Several files
-come with model.safetensors.index.json, as transformers writes them. torch (one `model.pt`) consolidates the whole
-model in this one process.
+written before the next: peak memory is about one output shard (--max-shard-size; a packed MoE tensor whose experts
+land in several files is read once per file), never the model. Several files come with model.safetensors.index.json,
+as transformers writes them. torch (one `model.pt`) consolidates the whole model in this one process.
 """
 
 from __future__ import annotations
