@@ -1,5 +1,5 @@
 """Importing a Hugging Face folder's weights, measured: peak memory per rank while 2 FSDP ranks load a sharded
-safetensors folder, against the full model's size.
+safetensors folder, against the full model's size; and exporting a checkpoint of it back (`scaletrain ckpt export`).
 
     python benchmarks/hf_import.py                       # ~430 MB fp32 Llama in 4 shards, 2 CPU ranks
     python benchmarks/hf_import.py --markdown BENCHMARKS.md
@@ -12,7 +12,13 @@ each, side by side:
 - whole: the same model filled from the full state every rank reads (safetensors load_file of every shard, then
   torch's set_model_state_dict(full_state_dict=True): what checkpoint.init_from_hf does for the built-in Llama).
 Each rank reports its resident memory before building (torch and transformers imported) and its peak (VmHWM)
-after; the growth is what loading cost. The folder is deleted afterwards.
+after; the growth is what loading cost.
+
+Export: one training step of that model (`scaletrain train model.hf=FOLDER`, 1 rank) saves a DCP checkpoint, then
+one fresh process per row runs the export `scaletrain ckpt export` runs (checkpoint/export.py) and reports the same
+growth: `--format hf` streamed with the default --max-shard-size (2GB: here one file, the whole model) and with
+100MB shards, and `--format torch`, which consolidates the model in memory (the baseline). Everything is deleted
+afterwards.
 """
 
 from __future__ import annotations
@@ -121,6 +127,57 @@ def worker(folder: Path, mode: str, out: Path) -> None:
     shutdown_distributed()
 
 
+EXPORTS = {"hf, 2GB shards (default)": ("hf", "2GB"), "hf, 100MB shards": ("hf", "100MB"), "torch": ("torch", "2GB")}
+
+
+def export_worker(ckpt: Path, label: str, out: Path) -> None:
+    """One process: export the checkpoint as row `label` does; write memory before and after."""
+    import huggingface_hub.serialization  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    from scaletrain.checkpoint.export import export_checkpoint, manifest_spec, read_manifest
+
+    fmt, shard = EXPORTS[label]
+    # what every export loads whatever the model's size (modules, transformers' meta model and conversion
+    # mapping), loaded before measuring, and the high-water mark reset: the growth is what the weights cost
+    hf = manifest_spec(read_manifest(ckpt) or {}).hf
+    assert hf is not None
+    hf.to_hf({})
+    Path("/proc/self/clear_refs").write_text("5")
+    before = status_mib()
+    written = export_checkpoint(ckpt, out / "exported", fmt, shard)
+    after = status_mib()
+    files = [f for f in written if f.suffix in (".safetensors", ".pt")]
+    record = {"before": before["VmRSS"], "peak": after["VmHWM"], "files": len(files)}
+    record["largest_mib"] = max(f.stat().st_size for f in files) / 2**20
+    (out / "export.json").write_text(json.dumps(record))
+
+
+def measure_exports(folder: Path, root: Path) -> dict[str, dict]:
+    """Train one step from the folder (one rank, checkpoint saved), then export it once per row."""
+    import shutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    train = [sys.executable, "-m", "scaletrain.cli.main", "train", f"model.hf={folder}", "run.name=export"]
+    train += ["train.steps=1", "data.seq_len=32", "train.global_batch_size=2", "train.eval_batches=1"]
+    train += ["checkpoint.save_final=true", "monitor.progress=false", "data.max_bytes=300000", "--nproc-per-node", "1"]
+    proc = subprocess.run(train, capture_output=True, text=True, cwd=root, env=env)
+    if proc.returncode:
+        raise SystemExit(proc.stderr[-3000:])
+    ckpt = next((root / "runs/export/checkpoints").glob("step_*"))
+    rows = {}
+    for label in EXPORTS:
+        work = root / "export_work"
+        work.mkdir()
+        cmd = [sys.executable, __file__, "--export-worker", str(ckpt), label, str(work)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise SystemExit(proc.stderr[-3000:])
+        rows[label] = json.loads((work / "export.json").read_text())
+        shutil.rmtree(work)
+    return rows
+
+
 def launch(folder: Path, mode: str, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     cmd += ["--rdzv-endpoint", "127.0.0.1:0", __file__, "--worker", str(folder), mode, str(out)]
@@ -137,9 +194,13 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--markdown", type=Path, help="replace this file's section with the results")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--export-worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         worker(Path(a.worker[0]), a.worker[1], Path(a.worker[2]))
+        return
+    if a.export_worker:
+        export_worker(Path(a.export_worker[0]), a.export_worker[1], Path(a.export_worker[2]))
         return
     with tempfile.TemporaryDirectory(prefix="hf_import_") as tmp:
         root = Path(tmp)
@@ -152,6 +213,9 @@ def main() -> None:
             rows.append((mode, recs))
             grow = " / ".join(f"{r['peak'] - r['before']:.0f}" for r in recs)
             print(f"{mode}: peak growth per rank (MiB) {grow}; full model {full:.0f} MiB", flush=True)
+        exports = measure_exports(root / "model", root)
+        for label, rec in exports.items():
+            print(f"export {label}: peak growth {rec['peak'] - rec['before']:.0f} MiB; full model {full:.0f} MiB")
     report = [
         f"A random Llama, {full:.0f} MiB fp32 ({a.layers} layers, hidden 1024, vocabulary {a.vocab}) in {a.shards} "
         "safetensors shards, built under FSDP2 on 2 CPU ranks.",
@@ -166,6 +230,20 @@ def main() -> None:
                 f"| {mode}, rank {r} | {rec['before']:.0f} | {rec['peak']:.0f} | {grow:.0f} | {grow / full:.2f} | "
                 f"{rec['local_mib']:.0f} |"
             )
+    report += [
+        "",
+        "`scaletrain ckpt export` of a checkpoint of the same model (one training step, 1 rank), one fresh process "
+        "per row:",
+        "",
+        "| export | RSS before (MiB) | peak RSS (MiB) | peak growth (MiB) | growth / full model | files | largest (MiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, rec in exports.items():
+        grow = rec["peak"] - rec["before"]
+        report.append(
+            f"| {label} | {rec['before']:.0f} | {rec['peak']:.0f} | {grow:.0f} | {grow / full:.2f} | {rec['files']} | "
+            f"{rec['largest_mib']:.0f} |"
+        )
     report.append("")
     print("\n".join(report))
     if a.markdown:

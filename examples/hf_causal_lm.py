@@ -1,9 +1,11 @@
 """A Hugging Face causal LM in your own loop with `scaletrain.setup()`: FSDP2 per decoder layer, tensor parallelism
-from a plan you write, checkpoints that resume on another number of ranks.
+from the model's own plan (transformers' base_model_tp_plan) or one you write, checkpoints that resume on another
+number of ranks.
 
     python examples/hf_causal_lm.py                                          # one process
     torchrun --nproc-per-node 2 examples/hf_causal_lm.py --tp 2 --ckpt ckpt --stop-at 5
     torchrun --nproc-per-node 4 examples/hf_causal_lm.py --tp 2 --ckpt ckpt  # resumes at step 6: FSDP 2 x TP 2
+    torchrun --nproc-per-node 2 examples/hf_causal_lm.py --tp 2 --tp-plan mine   # TP_PLAN below instead
 
 The model is a tiny random LlamaForCausalLM built from a config (nothing is downloaded); the data is a map-style
 dataset of token sequences with a learnable pattern. Rank 0 prints `step N loss X` (the mean over data-parallel
@@ -19,8 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import scaletrain
 
-# Megatron-style: projections reading the hidden state split by output column, those writing it back by input row.
-# Keys are module paths; `*` matches any one name (every decoder layer).
+# A plan of your own (--tp-plan mine; without it setup() uses the model's own). Megatron-style: projections reading
+# the hidden state split by output column, those writing it back by input row. Keys are module paths; `*` matches any
+# one name (every decoder layer).
 TP_PLAN = {
     "model.layers.*.self_attn.q_proj": ColwiseParallel(),
     "model.layers.*.self_attn.k_proj": ColwiseParallel(),
@@ -51,6 +54,9 @@ class PatternTokens(torch.utils.data.Dataset):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (divides the number of ranks)")
+    ap.add_argument(
+        "--tp-plan", default="model", choices=["model", "mine"], help="model: transformers' own; mine: TP_PLAN"
+    )
     ap.add_argument("--data-parallel", default="fsdp", choices=["auto", "ddp", "fsdp"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--stop-at", type=int, default=0, help="save and stop after this step (an interruption)")
@@ -71,9 +77,8 @@ def main() -> None:
     )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    job = scaletrain.setup(
-        model, optimizer, data_parallel=args.data_parallel, tp=args.tp, tp_plan=TP_PLAN, grad_clip=1.0
-    )
+    plan = TP_PLAN if args.tp_plan == "mine" else None  # None: the model's own base_model_tp_plan
+    job = scaletrain.setup(model, optimizer, data_parallel=args.data_parallel, tp=args.tp, tp_plan=plan, grad_clip=1.0)
     if job.rank == 0:
         print(f"layout {job.dims.describe()}", flush=True)
     loader = job.loader(PatternTokens(256, 16, config.vocab_size), global_batch_size=args.global_batch)

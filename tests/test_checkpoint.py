@@ -217,6 +217,11 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
     run_cli(["ckpt", "export", str(ref), "--format", "hf", "--out", str(out)], cwd)
     for fmt in ("safetensors", "torch"):
         run_cli(["ckpt", "export", str(ref), "--format", fmt, "--out", str(tmp_path / fmt)], cwd)
+    bad = run_cli(
+        ["ckpt", "export", str(ref), "--out", str(tmp_path / "x"), "--max-shard-size", "2 big"], cwd, check=False
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("write it like 2GB, 500MB or 1GiB")
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
     state, spec = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")
     plain = torch.load(tmp_path / "torch" / "model.pt", weights_only=True)
     assert all(torch.equal(plain[k], state[k]) for k in state)

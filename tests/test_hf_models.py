@@ -1,7 +1,7 @@
 """Hugging Face models through the normal trainer (`model.hf=FOLDER`): for each family, built from a tiny random
 config here and saved with save_pretrained (nothing downloaded), DDP 2 / FSDP 2 / TP 2 (+SP) / PP 2 give the per-step
 losses of one process over 5 steps; the first loss equals transformers' own forward on the saved weights; an
-exported checkpoint loads with from_pretrained and gives the same logits; bad folders and layouts are one line
+exported checkpoint (in several safetensors shards) loads with from_pretrained and gives the same logits; bad folders and layouts are one line
 before launch."""
 
 from __future__ import annotations
@@ -153,7 +153,16 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
         tmp_path,
     )
     ckpt = tmp_path / "runs/hf/checkpoints/step_00000005"
-    run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "out")], tmp_path)
+    # shards of at most 100 KB (these models are 0.4-1 MB): several files and their index, written one at a time
+    run_cli(
+        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "out"), "--max-shard-size", "100KB"],
+        tmp_path,
+    )
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {f.name for f in shards}
+    header = [int.from_bytes(f.read_bytes()[:8], "little") + 8 for f in shards]  # safetensors' JSON header
+    assert all(f.stat().st_size - h <= 100_000 or len(_file_keys_of(f)) == 1 for f, h in zip(shards, header))
     state, spec = load_full_model_state(ckpt)
     ours = spec.build("cpu")
     ours.load_state_dict(state)
@@ -170,14 +179,15 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
     assert _file_keys(tmp_path / "out") == _file_keys(folders[family])
 
 
-def _file_keys(folder: Path) -> set[str]:
+def _file_keys_of(f: Path) -> set[str]:
     from safetensors import safe_open
 
-    keys: set[str] = set()
-    for f in folder.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as h:
-            keys |= set(h.keys())
-    return keys
+    with safe_open(str(f), framework="pt") as h:
+        return set(h.keys())
+
+
+def _file_keys(folder: Path) -> set[str]:
+    return set().union(*(_file_keys_of(f) for f in folder.glob("*.safetensors")))
 
 
 def _refusal(overrides: list[str], world: int = 2) -> str:

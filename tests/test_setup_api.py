@@ -92,6 +92,42 @@ def test_tp_plan_errors_are_one_line():
     with pytest.raises(ValueError, match="^tp_plan: give a non-empty"):
         _tp_styles(model, 2, lambda m: [], None)
     assert _tp_styles(model, 1, {"x": None}, None) is None  # nothing to split at tp=1
+    with pytest.raises(ValueError, match="^tp: Sequential is not a transformers model .* pass tp_plan="):
+        _tp_styles(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()), 2, None, None)
+
+
+def test_tp_on_a_transformers_model_follows_its_own_plan_or_is_refused_in_one_line():
+    """setup(tp=2) without a plan on a transformers model: its base_model_tp_plan as model.hf trains it (GPT-2: its
+    Conv1D layers split by structure); what cannot be split is refused in one line naming the fix."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.api import _tp_styles
+
+    def tiny(model_type: str, **fields):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=64, **fields))
+
+    decoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    plan = _tp_styles(tiny("llama", **decoder, num_key_value_heads=2), 2, None, None)
+    assert type(plan["model.layers.1.self_attn.k_proj"]) is ColwiseParallel  # 'colwise' in the model's plan
+    assert type(plan["model.layers.1.mlp.down_proj"]) is RowwiseParallel
+    assert "model.layers.1.input_layernorm" in plan and "model.norm" in plan  # every parameter a DTensor
+    gpt2 = _tp_styles(tiny("gpt2", n_embd=64, n_layer=2, n_head=4), 2, None, None)
+    assert type(gpt2["transformer.h.0.attn.c_attn"]).__name__ == "FusedQKVConv1D"
+
+    def refusal(model) -> str:
+        with pytest.raises(ValueError) as e:
+            _tp_styles(model, 2, None, None)
+        assert "\n" not in str(e.value) and str(e.value).startswith("tp: ") and "parallel." not in str(e.value)
+        return str(e.value)
+
+    moe = tiny("qwen3_moe", **decoder, head_dim=16, num_experts=4, moe_intermediate_size=32)
+    assert "use tp=1 and shard them with FSDP instead" in refusal(moe)
+    assert "does not divide LlamaForCausalLM.config.num_key_value_heads=1" in refusal(
+        tiny("llama", **decoder, num_key_value_heads=1)
+    )
+    assert "no tensor-parallel plan" in refusal(tiny("bloom", hidden_size=64, n_layer=2, n_head=4))
 
 
 def test_shard_rule_errors_are_one_line():
@@ -139,15 +175,16 @@ def _steps(stdout: str) -> dict[int, float]:
 
 
 def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
-    """examples/hf_causal_lm.py: a HF Llama with a user TP plan on 2 ranks (tp=2) saves at step 5 and stops; the
-    run resumed on 4 ranks (FSDP 2 x TP 2) continues loss for loss like one uninterrupted plain-python process."""
+    """examples/hf_causal_lm.py: a HF Llama on 2 ranks (tp=2, no plan given: the model's own base_model_tp_plan)
+    saves at step 5 and stops; the run resumed on 4 ranks (FSDP 2 x TP 2, the user's TP plan this time) continues
+    loss for loss like one uninterrupted plain-python process."""
     script = ROOT / "examples" / "hf_causal_lm.py"
     whole = _steps(_launch(script, [], 1).stdout)
     assert sorted(whole) == list(range(1, 11)) and whole[10] < whole[1]
     ckpt = str(tmp_path / "ckpt")
     first = _launch(script, ["--tp", "2", "--ckpt", ckpt, "--stop-at", "5"], 2)
     assert "layout tp=2" in first.stdout
-    second = _launch(script, ["--tp", "2", "--ckpt", ckpt], 4, timeout=600)
+    second = _launch(script, ["--tp", "2", "--tp-plan", "mine", "--ckpt", ckpt], 4, timeout=600)
     assert "layout fsdp (dp_shard=2 x tp=2)" in second.stdout and "resumed at step 5 on 4 ranks" in second.stdout
     got = {**_steps(first.stdout), **_steps(second.stdout)}
     assert sorted(got) == list(range(1, 11))

@@ -73,7 +73,9 @@ def _parallel_config(
 
 def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpec | None) -> dict | None:
     """The {module path pattern: ParallelStyle} plan: the user's (a dict, or a callable(model) -> dict), else the
-    spec's when scaletrain knows the model, else one found by structure (attention and MLP linears)."""
+    spec's when scaletrain knows the model, else a transformers model's own (from its base_model_tp_plan, as
+    `model.hf` trains it), else one found by structure (attention and MLP linears); ValueError (one line) when
+    none fits."""
     if tp == 1:  # a plan with tp=1 splits nothing: one script can pass its plan and vary tp
         return None
     if tp_plan is not None:
@@ -86,7 +88,39 @@ def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpe
     if spec is not None:
         spec.check_tp(tp)
         return spec.tp_plan(model, False, False)
-    return auto_tp_plan(model)
+    hf = _transformers_spec(model)
+    if hf is not None:
+        try:
+            hf.check_tp(tp)
+        except ValueError as e:  # the trainer's wording names its config fields; here they are setup()'s arguments
+            msg = str(e).replace("model.hf config.json's ", f"{type(model).__name__}.config.")
+            msg = msg.replace(
+                "parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup()", "data_parallel='fsdp'"
+            )
+            if msg.endswith("use parallel.tp=1"):
+                msg = msg.removesuffix("use parallel.tp=1") + "pass your own tp_plan= or use tp=1"
+            raise ValueError(msg.replace("parallel.tp=1", "tp=1").replace("parallel.tp:", "tp:", 1)) from None
+        return hf.tp_plan(model, False, False)
+    try:
+        return auto_tp_plan(model)
+    except ValueError:
+        raise ValueError(
+            f"tp: {type(model).__name__} is not a transformers model with a tensor-parallel plan, and no attention "
+            f"or MLP linears were found in its blocks to split; pass tp_plan={{module path: ParallelStyle}} or tp=1"
+        ) from None
+
+
+def _transformers_spec(model: nn.Module) -> ModelSpec | None:
+    """The HF spec of a transformers model (its own base_model_tp_plan, found layers), None for any other model.
+    transformers is looked up, not imported: a model of it means it is loaded already."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    from scaletrain.models.hf.spec import HFSpec
+
+    return HFSpec.of_model(model)
 
 
 def setup(
@@ -114,7 +148,8 @@ def setup(
     model's blocks (its largest ModuleList / ModuleDict). Tied parameters stay with the root.
     tp: tensor-parallel degree (dividing the world size; data parallelism runs over world/tp ranks). tp_plan:
     {module path pattern: torch ParallelStyle} or a callable(model) -> that dict; None: the plan of `spec` (a
-    scaletrain ModelSpec of this model), else one found by structure.
+    scaletrain ModelSpec of this model), else a transformers model's own (its config's base_model_tp_plan, as
+    `model.hf` trains it; ValueError when it has none or it cannot be split), else one found by structure.
     precision: compute dtype; master weights and optimizer states stay fp32; fp16 adds loss scaling.
     fsdp_accumulate: under FSDP/HSDP, 'sharded' reduce-scatters even inside accumulate(sync=False), keeping
     gradients sharded (memory / ranks); 'unsharded' holds whole gradients until sync=True.

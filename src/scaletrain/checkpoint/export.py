@@ -1,18 +1,27 @@
-"""Consolidating a distributed checkpoint into one file set, and importing Hugging Face weights.
+"""Exporting a distributed checkpoint into files others load, and importing Hugging Face weights.
 
 Formats:
-- safetensors: `model.safetensors` with scaletrain's own parameter names (+ `config.json` of the model spec).
+- safetensors: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + index) with scaletrain's own parameter
+  names (+ `config.json` of the model spec).
 - torch: `model.pt`, a plain state dict readable with `torch.load(..., weights_only=True)`.
 - hf: a Hugging Face transformers folder (`config.json` + safetensors), through the model family's adapter
   (ModelSpec.hf; the built-in Llama's maps names and permutes the rotary projections, models/llama/hf.py; a
-  `model.hf` model is written by transformers' own save_pretrained: shards, index, per-expert MoE layout).
+  `model.hf` model's reverses transformers' load-time conversions with transformers' own revert_weight_conversion,
+  so packed MoE experts are written expert by expert as save_pretrained writes them).
 
-Every format consolidates the whole model in this one process (each tensor read from the DCP shards once).
+safetensors and hf stream: the output files are planned from the DCP metadata alone (names, shapes, dtypes; the
+conversion run on meta tensors; shards cut by huggingface_hub's split_torch_state_dict_into_shards, as
+save_pretrained cuts them), then each file is filled by a DCP load of only the entries it needs, converted and
+written before the next: peak memory is about one output shard (--max-shard-size; a packed MoE tensor whose experts
+land in several files is read once per file), never the model. Several files come with model.safetensors.index.json,
+as transformers writes them. torch (one `model.pt`) consolidates the whole model in this one process.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,20 +38,106 @@ def manifest_spec(manifest: dict) -> ModelSpec:
     return spec_from_manifest({"family": "llama", "args": manifest["model_args"]})
 
 
-def _saved_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Empty full-size tensors for every model entry DCP's metadata lists, keyed as saved (`model.<name>`): how a
-    checkpoint of a model scaletrain cannot rebuild (a `scaletrain.setup()` user's own) is consolidated."""
+DEFAULT_MAX_SHARD_SIZE = "2GB"  # per output file; export's peak memory is about this (decimal units, as the Hub's)
+_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written as `2GB`, `500MB`, `1.5GiB` or plain bytes; ValueError (one line) otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B)?\s*", text, re.IGNORECASE)
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    if size < 1:
+        raise ValueError(f"--max-shard-size: {text!r} is not a size; write it like 2GB, 500MB or 1GiB")
+    return size
+
+
+def _natural(name: str) -> list:
+    """Sort key putting layer 2 before layer 10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _saved_entries(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """{name: (full shape, dtype)} of every model tensor DCP's metadata lists (saved as `model.<name>`), in
+    natural name order; nothing is read but the metadata."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from scaletrain.checkpoint.safe_load import METADATA_FILE, read_dcp_metadata
 
     with open(ckpt / METADATA_FILE, "rb") as f:
         meta = read_dcp_metadata(f, f"{ckpt.name}/{METADATA_FILE}")
-    return {
-        key.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
+    found = {
+        key.removeprefix("model."): (m.size, m.properties.dtype)
         for key, m in meta.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
+    return {name: found[name] for name in sorted(found, key=_natural)}
+
+
+def _saved_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Empty full-size tensors for every model entry DCP's metadata lists, keyed as saved (`model.<name>`): how a
+    checkpoint of a model scaletrain cannot rebuild (a `scaletrain.setup()` user's own) is consolidated."""
+    return {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in _saved_entries(ckpt).items()}
+
+
+def _read_entries(ckpt: Path, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Only these model tensors of the checkpoint, whole (DCP reads each from its shards; the others stay on disk)."""
+    from scaletrain.checkpoint.safe_load import load_dcp
+
+    state = {"model": {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in entries.items()}}
+    load_dcp(state, ckpt, no_dist=True)
+    return state["model"]
+
+
+def _write_streamed(
+    ckpt: Path,
+    out: Path,
+    entries: dict[str, tuple[torch.Size, torch.dtype]],
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    max_shard_bytes: int,
+) -> list[Path]:
+    """The checkpoint's model tensors, each converted by `convert` (names and layouts; tensor by tensor, so it is
+    planned on meta tensors first), written as safetensors files of at most `max_shard_bytes` (a single larger
+    tensor gets a file of its own) plus their index when there are several: one file in memory at a time."""
+    from huggingface_hub.serialization import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    outputs: dict[str, torch.Tensor] = {}
+    source: dict[str, str] = {}  # output name -> the checkpoint entry it is made of
+    meta = {name: torch.empty(size, dtype=dtype, device="meta") for name, (size, dtype) in entries.items()}
+    for name, t in meta.items():
+        for key, o in convert({name: t}).items():  # own storage: a view's would count its base's bytes
+            outputs[key], source[key] = torch.empty(o.shape, dtype=o.dtype, device="meta"), name
+    if set(convert(meta)) != set(outputs):  # a conversion that needs several entries at once (none today)
+        raise ValueError(f"--format: {ckpt}'s weights cannot be converted one tensor at a time; export --format torch")
+    split = split_torch_state_dict_into_shards(
+        outputs, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes
+    )
+    written = []
+    for filename, keys in split.filename_to_tensors.items():
+        needed = {source[k] for k in keys}
+        converted = convert(_read_entries(ckpt, {n: entries[n] for n in sorted(needed, key=_natural)}))
+        save_file({k: converted[k].contiguous() for k in keys}, str(out / filename), metadata={"format": "pt"})
+        written.append(out / filename)
+        del converted
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": sum(o.numel() for o in outputs.values()), **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        path = out / "model.safetensors.index.json"
+        path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append(path)
+    return written
+
+
+def _committed_manifest(ckpt: Path) -> dict:
+    manifest = read_manifest(ckpt)
+    if manifest is None:
+        raise ValueError(
+            f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json); "
+            f"pick a step_NNNNNNNN folder listed by `scaletrain ckpt ls`"
+        )
+    return manifest
 
 
 def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpec | None]:
@@ -50,12 +145,7 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpe
     the model spec it recorded (None for a model saved by `scaletrain.setup()` without one)."""
     from scaletrain.checkpoint.safe_load import load_dcp
 
-    manifest = read_manifest(ckpt)
-    if manifest is None:
-        raise ValueError(
-            f"{ckpt}: not a committed scaletrain checkpoint (no manifest.json); "
-            f"pick a step_NNNNNNNN folder listed by `scaletrain ckpt ls`"
-        )
+    manifest = _committed_manifest(ckpt)
     spec: ModelSpec | None = None
     if "model_spec" in manifest or "model_args" in manifest:
         spec = manifest_spec(manifest)
@@ -82,30 +172,34 @@ def _hf(spec: ModelSpec | None, field: str):
     return spec.hf
 
 
-def export_checkpoint(ckpt: Path, out: Path, fmt: str) -> list[Path]:
-    """Write the consolidated weights of `ckpt` into folder `out` in format safetensors | torch | hf."""
-    from safetensors.torch import save_file
-
+def export_checkpoint(
+    ckpt: Path, out: Path, fmt: str, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> list[Path]:
+    """Write the weights of `ckpt` into folder `out` in format safetensors | hf (streamed: safetensors files of at
+    most `max_shard_size` bytes, with an index when several) | torch (consolidated in memory)."""
     if fmt not in ("torch", "safetensors", "hf"):
         raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf or torch")
-    manifest = read_manifest(ckpt) or {}
-    if fmt == "hf" and not ("model_spec" in manifest or "model_args" in manifest):
-        _hf(None, "--format hf")  # refused before reading any weights
-    state, spec = load_full_model_state(ckpt)
-    hf = _hf(spec, "--format hf") if fmt == "hf" else None
-    out.mkdir(parents=True, exist_ok=True)
+    max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    manifest = _committed_manifest(ckpt)
+    spec = manifest_spec(manifest) if ("model_spec" in manifest or "model_args" in manifest) else None
+    hf = _hf(spec, "--format hf") if fmt == "hf" else None  # refused before reading any weights
     if fmt == "torch":
+        state, _ = load_full_model_state(ckpt)
+        out.mkdir(parents=True, exist_ok=True)
         path = out / "model.pt"
         torch.save(state, path)
         return [path]
+    entries = _saved_entries(ckpt)
+    if not entries:
+        raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
+    out.mkdir(parents=True, exist_ok=True)
     if hf is not None:
-        return hf.save(state, out)
-    path = out / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+        return _write_streamed(ckpt, out, entries, hf.to_hf, max_shard_bytes) + hf.write_config(out)
+    written = _write_streamed(ckpt, out, entries, lambda state: state, max_shard_bytes)
     if spec is None:
-        return [path]
+        return written
     (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
-    return [path, out / "config.json"]
+    return [*written, out / "config.json"]
 
 
 def read_hf_weights(folder: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import shutil
 from pathlib import Path
 
 import click
@@ -121,12 +122,25 @@ def verify_cmd(path: Path) -> None:
     type=click.Choice(["safetensors", "hf", "torch"]),
     default="safetensors",
     show_default=True,
-    help="hf: a transformers LlamaForCausalLM folder.",
+    help="safetensors: the model's own parameter names; hf: a folder transformers' from_pretrained loads (config.json, "
+    "safetensors in transformers' names and layout); torch: one model.pt.",
 )
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (created).")
-def export_cmd(path: Path, fmt: str, out: Path) -> None:
-    """Consolidate a checkpoint (default: the newest good one) into one file set."""
-    from scaletrain.checkpoint.export import export_checkpoint
+@click.option(
+    "--max-shard-size",
+    default="2GB",
+    show_default=True,
+    help="safetensors/hf: largest output file (e.g. 500MB, 1GiB); several come with model.safetensors.index.json. "
+    "Export holds about one such file in memory, never the whole model.",
+)
+def export_cmd(path: Path, fmt: str, out: Path, max_shard_size: str) -> None:
+    """Convert a checkpoint (default: the newest good one) into a file set others load."""
+    from scaletrain.checkpoint.export import export_checkpoint, parse_size
+
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        fail(str(e))
 
     target = None
     for p in _targets(path):
@@ -139,9 +153,17 @@ def export_cmd(path: Path, fmt: str, out: Path) -> None:
         fail(f"{path}: no checkpoint passes verification")
     if out.exists() and any(out.iterdir()):
         fail(f"--out: {out} exists and is not empty; choose a new folder")
+    # written beside --out and renamed into place at the end: an export that fails leaves nothing half-written
+    staging = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        written = export_checkpoint(target, out, fmt)
+        written = export_checkpoint(target, staging, fmt, shard_bytes)
     except ValueError as e:
+        shutil.rmtree(staging, ignore_errors=True)
         fail(str(e))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    staging.replace(out)  # out is absent or an empty folder
     for f in written:
-        click.echo(f"wrote {f}")
+        click.echo(f"wrote {out / f.name}")

@@ -87,7 +87,8 @@ class HFAdapter(ABC):
 
     @abstractmethod
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Our names and layouts -> Hugging Face's."""
+        """Our names and layouts -> Hugging Face's, for any subset of the state (export converts a few tensors at a
+        time, and plans on meta tensors: no data-dependent step)."""
 
     @abstractmethod
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,16 +98,13 @@ class HFAdapter(ABC):
     def check_config(self, hf_config: dict) -> None:
         """ValueError (one line) when a Hugging Face config.json describes another model than this one."""
 
-    def save(self, state: dict[str, torch.Tensor], out: Path) -> list[Path]:
-        """Write `state` (our names) into folder `out` as a transformers folder; returns the files written."""
+    def write_config(self, out: Path) -> list[Path]:
+        """Write the non-weight files of a transformers folder into `out` (config.json); returns them. The weights
+        are written by checkpoint/export.py, a bounded group of `to_hf` outputs at a time."""
         import json
 
-        from safetensors.torch import save_file
-
-        path = out / "model.safetensors"
-        save_file(self.to_hf(state), str(path), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(self.config(), indent=1))
-        return [path, out / "config.json"]
+        return [out / "config.json"]
 
 
 class ModelSpec(ABC):

@@ -42,6 +42,20 @@ class HFSpec(ModelSpec):
             check_weights(spec, spec.args.path)
         return spec
 
+    @classmethod
+    def of_model(cls, model: nn.Module) -> HFSpec:
+        """The spec of a live transformers model (`scaletrain.setup()` on a user's model): its own config object,
+        the model itself answering the shape questions (TP plan, blocks); no folder, no weights."""
+        import json
+
+        config = cast(Any, model).config
+        fields = json.loads(config.to_json_string(use_diff=False))
+        fields["architectures"] = fields.get("architectures") or [type(model).__name__]  # what messages name
+        spec = cls(HFArgs(config=json.dumps(fields, sort_keys=True)))
+        spec.__dict__["config"] = config  # the cached properties, answered by the model as it is
+        spec.__dict__["meta_model"] = model
+        return spec
+
     # -- transformers' view -----------------------------------------------------------------------------------
     @cached_property
     def config(self) -> Any:

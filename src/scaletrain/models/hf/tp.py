@@ -74,11 +74,20 @@ def check_plan(spec: Any, tp: int) -> None:
             f"and fused or non-Linear projections cannot be split safely by structure; use parallel.tp=1"
         )
     for key, style in plan.items():
-        if style not in KNOWN:
+        if style in KNOWN:
+            continue
+        if spec.n_experts:
+            # transformers keeps each layer's experts packed in [experts, rows, cols] tensors and splits them with
+            # its own kernels (its moe_tp_experts style), which have no torch ParallelStyle counterpart
             raise ValueError(
-                f"parallel.tp: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
-                f"translate (mixture-of-experts layers run under FSDP only); use parallel.tp=1"
+                f"parallel.tp: {spec.architecture}'s {spec.n_experts} experts ({key}) are packed tensors scaletrain's "
+                f"tensor parallelism does not split; use parallel.tp=1 and shard them with FSDP instead "
+                f"(parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup())"
             )
+        raise ValueError(
+            f"parallel.tp: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
+            f"translate; use parallel.tp=1"
+        )
 
 
 def _tied_head(embedding: nn.Module, **kwargs):

@@ -224,8 +224,9 @@ def load_weights(model: nn.Module, folder: str | Path, spec: Any) -> None:
 
 
 class HFFolderAdapter(HFAdapter):
-    """Our state dict and transformers' are the same names (the model is transformers' own); a tied output
-    layer is left out on export, as save_pretrained does, and filled from the embedding on import."""
+    """Our state dict and transformers' are the same names (the model is transformers' own); on export a tied
+    output layer is left out and per-expert weights are written expert by expert, as save_pretrained does; on
+    import the tied layer is filled from the embedding."""
 
     def __init__(self, spec: Any):  # an HFSpec (not imported: spec.py imports this module)
         self.spec = spec
@@ -236,8 +237,12 @@ class HFFolderAdapter(HFAdapter):
         return cfg
 
     def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Without the tied output layer, and in the layout save_pretrained writes: transformers' own reverse of its
+        load-time conversions (packed MoE experts split back into per-expert tensors), each tensor on its own."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         tied = _tied_key(self.spec)
-        return {k: v.contiguous() for k, v in state.items() if k != tied}
+        return revert_weight_conversion(self.spec.meta_model, {k: v for k, v in state.items() if k != tied})
 
     def from_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(state)
@@ -248,16 +253,15 @@ class HFFolderAdapter(HFAdapter):
             out[tied] = out[emb_name]
         return out
 
-    def save(self, state: dict[str, torch.Tensor], out: Path) -> list[Path]:
-        """transformers' own save_pretrained on the model holding `state` (no copy): safetensors shards with
-        their index, tied weights once, mixture-of-experts weights expert by expert as transformers writes them;
-        config.json is the folder's own (not the training copy, which turns use_cache off)."""
-        model = cast(Any, self.spec.build("meta"))
-        model.load_state_dict(state, assign=True)
-        self.spec.tie(model)
-        model.save_pretrained(out)
-        (out / "config.json").write_text(json.dumps(self.config(), indent=1))
-        return sorted(p for p in out.iterdir() if p.is_file())
+    def write_config(self, out: Path) -> list[Path]:
+        """config.json as the folder's own (not the training copy, which turns use_cache off), and
+        generation_config.json where save_pretrained writes one (models that generate)."""
+        written = super().write_config(out)
+        model = cast(Any, self.spec.meta_model)
+        if model.can_generate():
+            model.generation_config.save_pretrained(out)
+            written.append(out / "generation_config.json")
+        return written
 
     def check_config(self, hf_config: dict) -> None:
         if json.dumps(hf_config, sort_keys=True) != self.spec.args.config:
