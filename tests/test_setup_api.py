@@ -189,6 +189,18 @@ def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
     got = {**_steps(first.stdout), **_steps(second.stdout)}
     assert sorted(got) == list(range(1, 11))
     assert _close([got[s] for s in range(1, 11)], [whole[s] for s in range(1, 11)]), (got, whole)
+    # the checkpoint setup() wrote records the transformers model, so it exports as a folder from_pretrained loads
+    step = Path(ckpt) / "step_00000005"
+    run_cli(["ckpt", "export", str(step), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    run_cli(["ckpt", "export", str(step), "--format", "safetensors", "--out", str(tmp_path / "st")], tmp_path)
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
 def test_vision_example_fsdp_bf16_with_batchnorm():

@@ -172,5 +172,5 @@ def setup(
         SetupJob,
         SetupJob.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip, fsdp_accumulate=fsdp_accumulate),
     )
-    job.model_spec = spec
+    job.model_spec = spec if spec is not None else _transformers_spec(model)  # `ckpt export --format hf` needs it
     return job
