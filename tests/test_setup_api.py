@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,19 @@ def test_fsdp_on_models_users_bring(tmp_path):
     gathered = torch.load(tmp_path / "hf_state.pt", weights_only=True)
     assert exported.keys() == gathered.keys()
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
+    # a transformers model's checkpoint records its config: the hf export is the same weights under transformers
+    run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    as_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert as_hf.keys() <= gathered.keys() and all(torch.equal(v, gathered[k]) for k, v in as_hf.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+    # a model with no spec recorded (any other nn.Module) has no known HF layout: refused in one line
+    bare = tmp_path / "bare" / ckpt.name
+    shutil.copytree(ckpt, bare)
+    manifest = json.loads((bare / "manifest.json").read_text())
+    manifest.pop("model_spec")
+    (bare / "manifest.json").write_text(json.dumps(manifest))
     refused = run_cli(
-        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path, check=False
+        ["ckpt", "export", str(bare), "--format", "hf", "--out", str(tmp_path / "no")], tmp_path, check=False
     )
     assert refused.returncode == 2 and "--format safetensors or torch" in refused.stderr
     assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
