@@ -145,7 +145,7 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
 def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(folders, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.checkpoint.export import load_full_model_state
+    from scaletrain.checkpoint.export import export_checkpoint, load_full_model_state
 
     run_cli(
         ["train", *FAST, *STEPS, f"model.hf={folders[family]}", "run.name=hf", "checkpoint.save_final=true"]
@@ -153,11 +153,9 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
         tmp_path,
     )
     ckpt = tmp_path / "runs/hf/checkpoints/step_00000005"
-    # shards of at most 100 KB (these models are 0.4-1 MB): several files and their index, written one at a time
-    run_cli(
-        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "out"), "--max-shard-size", "100KB"],
-        tmp_path,
-    )
+    # shards of at most 100 KB (these models are 0.4-1 MB): several files and their index, written one at a time;
+    # in this process (`ckpt export` is this function; its CLI runs in tests/test_checkpoint.py)
+    export_checkpoint(ckpt, tmp_path / "out", "hf", "100KB")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = sorted((tmp_path / "out").glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == {f.name for f in shards}
