@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 
+from conftest import run_cli
 from scaletrain.hardware import Calibration, apply_calibration, load_calibration, make_cluster
 from scaletrain.hardware.calibration import CalibrationError, save_calibration
 from scaletrain.hardware.internode import compare_nodes, fit_seconds, internode_fields, message_sizes
@@ -114,3 +115,29 @@ def test_nodes_that_disagree_are_named_in_one_line():
     assert compare_nodes([rec, None], 2) == (
         "--node-rank: no node gave 1 (two nodes gave the same one?); give each of the 2 nodes its own --node-rank 0..1"
     )
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--nodes", "2"], "--nodes 2: also give --node-rank 0..1 and --rdzv-endpoint HOST:PORT on every node"),
+        (
+            ["--nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "198.51.100.1:29400"],
+            "--node-rank: 2 is not below --nodes 2; number the nodes 0..1",
+        ),
+        (
+            ["--node-rank", "0"],
+            "--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node bench",
+        ),
+        (
+            ["--nodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--rdzv-endpoint: '127.0.0.1' is 127.0.0.1 on this host, a loopback address the other nodes cannot "
+            "reach; name the rendezvous host by the address they use",
+        ),
+    ],
+)
+def test_bench_nodes_flags_that_do_not_go_together_are_one_line(tmp_path, args, line):
+    proc = run_cli(["bench", *args, "-o", str(tmp_path / "cal.toml")], tmp_path, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == f"scaletrain: error: {line}"
+    assert not (tmp_path / "cal.toml").exists()

@@ -672,8 +672,8 @@ def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
         fail("--rdzv-endpoint: a multi-node bench needs a fixed HOST:PORT every node can reach")
     try:
         return run_node_bench(nodes, node_rank, rdzv_endpoint, nproc, max_bytes, matmul_n)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # the endpoint is checked as train's launch.rdzv_endpoint; bench has no local_addr
+        fail(str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", ""))
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         fail(f"bench across nodes failed on rank {rank} (exit {failure.exitcode}): {failure.message or 'see above'}")
