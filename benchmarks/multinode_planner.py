@@ -5,7 +5,7 @@ job across both nodes (`scaletrain train --nnodes 2`), and the measured median s
 planner's prediction (`scaletrain plan JOB --gpus 4 --gpus-per-node 2 --gpu cpu --calibration CAL`) and both
 rankings. Root only (network namespaces); nothing is left behind.
 
-    sudo python benchmarks/multinode_planner.py [--rates 1gbit,4gbit] [--steps 12] [--model small]
+    sudo python benchmarks/multinode_planner.py [--rates 1gbit,4gbit] [--steps 12] [--repeats 3] [--model small]
                                                 [--json OUT.json] [--set key=value ...]
 """
 
@@ -95,6 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="1gbit,4gbit", help="tc tbf rates of the inter-node link, comma-separated")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over every rate; medians are reported")
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--global-batch", type=int, default=8)
@@ -117,55 +118,69 @@ def main() -> None:
         "checkpoint.save_final=false",
         "checkpoint.interval_steps=0",
     ]
-    rows = []
+    rates = args.rates.split(",")
+    # round after round, every rate's bench and its three runs back to back: load on a shared host coming and going
+    # falls on each calibration and the runs it predicts alike, and the medians over rounds are what is reported
+    measured: dict[tuple[str, str], list[float]] = {(r, n): [] for r in rates for n in LAYOUTS}
+    predicted: dict[tuple[str, str], list[float]] = {(r, n): [] for r in rates for n in LAYOUTS}
     loads = [f"before: {uptime()}"]
     with tempfile.TemporaryDirectory(prefix="multinode_planner_") as tmp, Cluster.create(2) as cluster:
         cwd = Path(tmp)
-        for rate in args.rates.split(","):
-            cluster.shape(rate)
-            cal = cwd / f"cal_{rate}.toml"
-            bench = on_nodes(
-                cluster,
-                [
-                    ["bench", "--nodes", "2", "--node-rank", str(i), "--rdzv-endpoint", ENDPOINT]
-                    + ["--nproc", "2", "--size-mb", str(args.size_mb), "-o", str(cal)]
-                    for i in range(2)
-                ],
-                cwd,
-            )
-            print(f"{rate}: {bench[0].strip()}", flush=True)
-            measured, predicted = {}, {}
-            for name, layout in LAYOUTS.items():
-                run = f"{name}_{rate}"
-                on_nodes(
+        for rnd in range(args.repeats):
+            for rate in rates:
+                cluster.shape(rate)
+                cal = cwd / f"cal_{rate}_{rnd}.toml"
+                bench = on_nodes(
                     cluster,
                     [
-                        ["train", *train_args, *layout, f"run.name={run}", "--nproc-per-node", "2"]
-                        + ["--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", ENDPOINT]
+                        ["bench", "--nodes", "2", "--node-rank", str(i), "--rdzv-endpoint", ENDPOINT]
+                        + ["--nproc", "2", "--size-mb", str(args.size_mb), "-o", str(cal)]
                         for i in range(2)
                     ],
                     cwd,
                 )
-                measured[name] = measured_step(cwd / "runs" / run)
-                predicted[name] = predicted_step(job_args, layout, cal, cwd)
-                print(f"  {name}: measured {measured[name]:.3f} s, predicted {predicted[name]:.3f} s", flush=True)
-            rank_m, rank_p = ranks(measured), ranks(predicted)
-            for name in LAYOUTS:
-                rows.append(
-                    {
-                        "layout": name,
-                        "rate": rate,
-                        "measured_s": measured[name],
-                        "predicted_s": predicted[name],
-                        "error": predicted[name] / measured[name] - 1.0,
-                        "rank_measured": rank_m[name],
-                        "rank_predicted": rank_p[name],
-                    }
-                )
-            loads.append(f"after {rate}: {uptime()}")
+                print(f"round {rnd + 1}, {rate}: {bench[0].strip()}", flush=True)
+                for name, layout in LAYOUTS.items():
+                    run = f"{name}_{rate}_{rnd}"
+                    on_nodes(
+                        cluster,
+                        [
+                            ["train", *train_args, *layout, f"run.name={run}", "--nproc-per-node", "2"]
+                            + ["--nnodes", "2", "--node-rank", str(i), "--rdzv-endpoint", ENDPOINT]
+                            for i in range(2)
+                        ],
+                        cwd,
+                    )
+                    measured[rate, name].append(measured_step(cwd / "runs" / run))
+                    predicted[rate, name].append(predicted_step(job_args, layout, cal, cwd))
+                    print(
+                        f"  {name}: measured {measured[rate, name][-1]:.3f} s, "
+                        f"predicted {predicted[rate, name][-1]:.3f} s",
+                        flush=True,
+                    )
+                loads.append(f"after round {rnd + 1}, {rate}: {uptime()}")
+    rows = []
+    for rate in rates:
+        meas = {n: statistics.median(measured[rate, n]) for n in LAYOUTS}
+        pred = {n: statistics.median(predicted[rate, n]) for n in LAYOUTS}
+        rank_m, rank_p = ranks(meas), ranks(pred)
+        for name in LAYOUTS:
+            rows.append(
+                {
+                    "layout": name,
+                    "rate": rate,
+                    "measured_s": meas[name],
+                    "predicted_s": pred[name],
+                    "error": pred[name] / meas[name] - 1.0,
+                    "rank_measured": rank_m[name],
+                    "rank_predicted": rank_p[name],
+                    "measured_rounds": measured[rate, name],
+                    "predicted_rounds": predicted[rate, name],
+                }
+            )
     print(
         f"\n2 nodes x 2 CPU ranks, model {args.model}, seq {args.seq_len}, global batch {args.global_batch}, "
-        f"fp32, {args.steps} steps (median after 2); {os.cpu_count()} cores"
+        f"fp32, {args.steps} steps (median after 2), median of {args.repeats} rounds; {os.cpu_count()} cores"
     )
     print(
         f"{'layout':<8}{'link':>8}{'measured s':>12}{'predicted s':>13}{'error':>8}{'rank meas':>11}{'rank pred':>11}"
@@ -175,7 +190,7 @@ def main() -> None:
             f"{r['layout']:<8}{r['rate']:>8}{r['measured_s']:>12.3f}{r['predicted_s']:>13.3f}{r['error']:>+8.0%}"
             f"{r['rank_measured']:>11}{r['rank_predicted']:>11}"
         )
-    for rate in args.rates.split(","):
+    for rate in rates:
         at = [r for r in rows if r["rate"] == rate]
         top_m = min(at, key=lambda r: r["measured_s"])["layout"]
         top_p = min(at, key=lambda r: r["predicted_s"])["layout"]

@@ -660,7 +660,7 @@ def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
     for flags that do not go together or nodes that disagree, before any rank starts."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from scaletrain.hardware.internode import run_node_bench
+    from scaletrain.launch.bench_nodes import run_node_bench
 
     if nodes < 2:
         fail("--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node bench")
