@@ -1,8 +1,8 @@
 """Bus bandwidth between nodes, for `scaletrain bench --nodes N` (its agents: launch/bench_nodes.py).
 
 Every node first runs the local bench (hardware/bench.py: compute curves and collectives between its own ranks over
-127.0.0.1) at the same time as the others, so the compute figures are what a rank gets while every node's ranks
-run (simulated nodes share one machine's cores). Then the ranks of all nodes (--nproc per node, numbered node by
+127.0.0.1) at the same time as the others (started together after a barrier: simulated nodes share one
+machine's cores, and the compute is meant to be measured while every node's ranks run). Then the ranks of all nodes (--nproc per node, numbered node by
 node as in training) time all-reduce and all-gather over the whole world at several message sizes
 (measure_world_collectives), fitted to latency + bandwidth (fit_seconds). A ring over ranks numbered node by node
 crosses each node's link once, so its bus bandwidth is what one stream of a collective gets between nodes (or the
