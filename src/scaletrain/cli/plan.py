@@ -592,10 +592,21 @@ def _pinned_options(opts, pins):
 )
 @click.option("--size-mb", type=float, default=16.0, show_default=True, help="Largest collective message, MiB.")
 @click.option("--matmul-n", type=int, default=None, help="Largest square matmul [default: 8192 on a GPU, else 1024].")
-def bench(output, nproc, size_mb, matmul_n) -> None:
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Nodes, one `scaletrain bench` each (as `train --nnodes`): also measure all-reduce and all-gather across "
+    "them; node 0 writes the file.",
+)
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="With --nodes: this node's number.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
+def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> None:
     """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
     host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks; write a
-    calibration TOML for `scaletrain plan --calibration FILE`."""
+    calibration TOML for `scaletrain plan --calibration FILE`. With `--nodes N --node-rank K --rdzv-endpoint
+    HOST:PORT` on each of N nodes, also across the nodes (the planner prices collectives spanning nodes with it)."""
     from scaletrain.hardware.bench import run_bench
     from scaletrain.hardware.calibration import save_calibration
     from scaletrain.hardware.detect import detect_host
@@ -612,7 +623,13 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
     if not out.parent.exists():
         fail(f"--output: folder {str(out.parent)!r} does not exist")
     nproc = nproc or max(detect_host().gpu_count, 2)
-    cal = run_bench(nproc=nproc, matmul_n=matmul_n, collective_bytes=max(1024, int(size_mb * 2**20)))
+    if nodes > 1 or node_rank is not None or rdzv_endpoint is not None:
+        cal = _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max(1024, int(size_mb * 2**20)))
+        if cal is None:
+            click.echo(f"node {node_rank}: measured; node 0 writes {output}")
+            return
+    else:
+        cal = run_bench(nproc=nproc, matmul_n=matmul_n, collective_bytes=max(1024, int(size_mb * 2**20)))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     save_calibration(cal, tmp)
     tmp.replace(out)  # written whole or not at all
@@ -624,9 +641,39 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
             f"per step, all-gather {cal.allgather_busbw / 1e9:,.2f} GB/s + "
             f"{(cal.allgather_latency_s or 0) * 1e6:.0f} us over {cal.ranks} ranks"
         )
+    if cal.nodes and cal.internode_allreduce_busbw and cal.internode_allgather_busbw:
+        comm += (
+            f"; across {cal.nodes} nodes all-reduce busbw {cal.internode_allreduce_busbw / 1e9:,.3f} GB/s + "
+            f"{(cal.internode_allreduce_latency_s or 0) * 1e6:.0f} us per step, all-gather "
+            f"{cal.internode_allgather_busbw / 1e9:,.3f} GB/s + {(cal.internode_allgather_latency_s or 0) * 1e6:.0f} us"
+        )
     click.echo(
         f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
         f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
         f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
         f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm} -> {output}"
     )
+
+
+def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
+    """`bench --nodes`: this node's part (hardware/internode.py); the calibration on node 0, else None. One line
+    for flags that do not go together or nodes that disagree, before any rank starts."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from scaletrain.launch.bench_nodes import run_node_bench
+
+    if nodes < 2:
+        fail("--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node bench")
+    if node_rank is None or rdzv_endpoint is None:
+        fail(f"--nodes {nodes}: also give --node-rank 0..{nodes - 1} and --rdzv-endpoint HOST:PORT on every node")
+    if node_rank >= nodes:
+        fail(f"--node-rank: {node_rank} is not below --nodes {nodes}; number the nodes 0..{nodes - 1}")
+    if rdzv_endpoint.endswith(":0"):
+        fail("--rdzv-endpoint: a multi-node bench needs a fixed HOST:PORT every node can reach")
+    try:
+        return run_node_bench(nodes, node_rank, rdzv_endpoint, nproc, max_bytes, matmul_n)
+    except ValueError as e:  # the endpoint is checked as train's launch.rdzv_endpoint; bench has no local_addr
+        fail(str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", ""))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        fail(f"bench across nodes failed on rank {rank} (exit {failure.exitcode}): {failure.message or 'see above'}")

@@ -29,6 +29,9 @@ POINT_KEYS: dict[str, tuple[str, ...]] = {
     "copy": ("bytes", "bandwidth"),  # a copy of `bytes` at `bandwidth` bytes/s, read + write counted
     "all_reduce": ("bytes", "seconds"),  # one collective of `bytes` (the full message per rank), seconds
     "all_gather": ("bytes", "seconds"),  # `bytes`: the gathered output
+    # the same, over every rank of every node (`scaletrain bench --nodes N`)
+    "internode_all_reduce": ("bytes", "seconds"),
+    "internode_all_gather": ("bytes", "seconds"),
 }
 
 
@@ -52,6 +55,16 @@ class Calibration:
     copy: tuple[tuple[float, ...], ...] = ()
     all_reduce: tuple[tuple[float, ...], ...] = ()
     all_gather: tuple[tuple[float, ...], ...] = ()
+    # measured by `scaletrain bench --nodes N` (hardware/internode.py; one node: none): one ring over the `ranks`
+    # ranks of each of `nodes` nodes, so every node's link carries one stream of it; busbw and latency per ring
+    # step as above. The figures above are then those inside one node, measured at the same time on every node.
+    nodes: int | None = None
+    internode_allreduce_busbw: float | None = None
+    internode_allreduce_latency_s: float | None = None
+    internode_allgather_busbw: float | None = None
+    internode_allgather_latency_s: float | None = None
+    internode_all_reduce: tuple[tuple[float, ...], ...] = ()
+    internode_all_gather: tuple[tuple[float, ...], ...] = ()
 
     def to_toml(self) -> str:
         body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in POINT_KEYS} | {
@@ -105,7 +118,8 @@ def load_calibration(path: str | Path) -> Calibration:
     if missing:
         raise CalibrationError(f"{where}: {missing[0]}: missing; rerun `scaletrain bench`")
     figures = ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s", "allreduce_latency_s")
-    for key in (*figures, "allgather_busbw", "allgather_latency_s"):
+    internode = ("nodes", *(f"internode_{c}_{f}" for c in ("allreduce", "allgather") for f in ("busbw", "latency_s")))
+    for key in (*figures, "allgather_busbw", "allgather_latency_s", *internode):
         if key in tree and not _positive(tree[key]) and not (key.endswith("latency_s") and tree[key] == 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
     points = {name: _points(tree, name, where) for name in POINT_KEYS}
@@ -121,7 +135,7 @@ def intensity(m: float, n: float, k: float) -> float:
 
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
     """The cluster with measured compute, memory and intra-node collective figures and curves in place of the
-    datasheet's."""
+    datasheet's, and the inter-node collective figures where `scaletrain bench --nodes` measured them."""
     if cal.device != cluster.gpu.name:
         raise CalibrationError(
             f"--calibration: measured on {cal.device!r}, but the plan is for "
@@ -135,6 +149,14 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         )
         if bw and lat is not None
     )
+    internode = tuple(
+        (kind, lat, bw)
+        for kind, lat, bw in (
+            ("all_reduce", cal.internode_allreduce_latency_s, cal.internode_allreduce_busbw),
+            ("all_gather", cal.internode_allgather_latency_s, cal.internode_allgather_busbw),
+        )
+        if bw and lat is not None
+    )
     return dataclasses.replace(
         cluster,
         measured_matmul_flops=cal.matmul_flops,
@@ -145,5 +167,6 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         measured_matmul_curve=tuple((intensity(m, n, k), f) for m, n, k, f in cal.matmul) or None,
         measured_copy_curve=tuple((2.0 * b, bw) for b, bw in cal.copy) or None,
         measured_collectives=collectives or None,
+        measured_inter_collectives=internode or None,
         calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)",
     )

@@ -110,6 +110,9 @@ class Cluster:
     measured_copy_curve: tuple[tuple[float, float], ...] | None = None
     measured_collectives: tuple[tuple[str, float, float], ...] | None = None
     calibration_note: str = ""
+    # (collective kind, latency per ring step in s, bus bandwidth in bytes/s) of one ring over every rank of
+    # several nodes, measured by `scaletrain bench --nodes` (plan/comm.py prices groups that span nodes with it)
+    measured_inter_collectives: tuple[tuple[str, float, float], ...] | None = None
 
     @property
     def nodes(self) -> int:
@@ -141,9 +144,19 @@ class Cluster:
         key = "all_gather" if kind == "reduce_scatter" else kind
         return measured.get(key, (self.intra_link.latency_s, self.intra_bw))
 
+    def inter_collective(self, kind: str) -> tuple[float, float] | None:
+        """(latency per ring step in s, bus bandwidth in bytes/s) of a ring spanning nodes, measured by
+        `scaletrain bench --nodes` for this kind (a reduce-scatter moves what an all-gather moves); None if not."""
+        measured = {k: (lat, bw) for k, lat, bw in self.measured_inter_collectives or ()}
+        return measured.get("all_gather" if kind == "reduce_scatter" else kind)
+
     @property
     def inter_bw_per_gpu(self) -> float:
-        """Achievable inter-node bandwidth one GPU's share of the node's NICs gives, bytes/s."""
+        """Achievable inter-node bandwidth one GPU's share of the node's NICs gives, bytes/s (measured: the
+        node's link, which one cross-node ring stream gets, shared by every rank of the node)."""
+        measured = self.inter_collective("all_reduce")
+        if measured is not None:
+            return measured[1] / self.gpus_per_node
         return self.inter_link.bandwidth * self.inter_link.efficiency * self.nics_per_node / self.gpus_per_node
 
     @property

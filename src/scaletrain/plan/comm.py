@@ -7,6 +7,8 @@ pipeline and data parallelism cross nodes first.
 Ring algorithms (formulas.md): all-reduce moves 2(n-1)/n·S per rank, reduce-scatter and all-gather (n-1)/n·S.
 A group with k ranks in each of N nodes is costed hierarchically, as NCCL achieves on rail-optimised fabrics:
 its intra-node share over the node's link, its inter-node share over the k NIC ports its ranks own.
+Where `scaletrain bench --nodes` measured a ring across nodes (Cluster.measured_inter_collectives), a group that
+spans nodes is priced as that flat ring instead (ring_across_nodes_seconds): gloo runs no hierarchical algorithm.
 """
 
 from __future__ import annotations
@@ -36,7 +38,28 @@ def collective_seconds(kind: str, nbytes, size, inner, cluster: Cluster):
     intra = factor * (k - 1) / k * nbytes / intra_bw
     inter = np.where(nodes > 1, factor * (nodes - 1) / nodes * nbytes / (k * cluster.inter_bw_per_gpu), 0.0)
     latency = factor * ((k - 1) * intra_latency + (nodes - 1) * cluster.inter_link.latency_s)
-    return np.where(np.asarray(size) > 1, intra + inter + latency, 0.0)
+    seconds = intra + inter + latency
+    if cluster.inter_collective(kind) is not None:
+        seconds = np.where(nodes > 1, ring_across_nodes_seconds(kind, nbytes, size, k, cluster), seconds)
+    return np.where(np.asarray(size) > 1, seconds, 0.0)
+
+
+def ring_across_nodes_seconds(kind: str, nbytes, size, per_node, cluster: Cluster):
+    """Seconds of one ring collective of `nbytes` (per rank, the full message) over `size` ranks, `per_node` of
+    them in each node, priced with the ring across nodes `scaletrain bench --nodes` measured (a flat ring, as gloo
+    runs it: every node's link carries one stream of each group). That ring held every rank of a node, so its bus
+    bandwidth is what one stream gets of the link; the gpus_per_node / per_node groups of a mesh dim that run at
+    once share it (HSDP's replicate groups, one rank per node: each gets 1/gpus_per_node of it), and a ring runs
+    at its slowest edge, so never faster than inside a node. Every step pays the measured latency per ring step."""
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    measured = cluster.inter_collective(kind)
+    if measured is None:
+        raise ValueError(f"no inter-node figures measured for {kind}; run `scaletrain bench --nodes N`")
+    latency, busbw = measured
+    n, k = np.asarray(size, dtype=np.float64), np.asarray(per_node, dtype=np.float64)
+    bw = busbw * k / cluster.gpus_per_node
+    bw = np.where(k > 1, np.minimum(bw, cluster.intra_collective(kind)[1]), bw)
+    return factor * (n - 1) / n * np.asarray(nbytes, dtype=np.float64) / bw + factor * (n - 1) * latency
 
 
 def p2p_seconds(nbytes, inner, size, cluster: Cluster):

@@ -1,0 +1,129 @@
+"""Bus bandwidth between nodes, for `scaletrain bench --nodes N` (its agents: launch/bench_nodes.py).
+
+Every node first runs the local bench (hardware/bench.py: compute curves and collectives between its own ranks over
+127.0.0.1) at the same time as the others (started together after a barrier: simulated nodes share one
+machine's cores, and the compute is meant to be measured while every node's ranks run). Then the ranks of all nodes (--nproc per node, numbered node by
+node as in training) time all-reduce and all-gather over the whole world at several message sizes
+(measure_world_collectives), fitted to latency + bandwidth (fit_seconds). A ring over ranks numbered node by node
+crosses each node's link once, so its bus bandwidth is what one stream of a collective gets between nodes (or the
+intra-node rate, if that is slower). Node 0 writes the calibration with both sets of figures.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+from scaletrain.hardware.bench import KIB, MIB
+
+INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
+SAMPLES = 5
+STORE_TIMEOUT_S = 300.0  # how long a node waits for the others to come up
+
+
+class NodeBenchError(ValueError):
+    """The nodes of one `bench --nodes` disagree (another --nproc, --size-mb or torch); one line."""
+
+
+def message_sizes(max_bytes: int) -> tuple[int, ...]:
+    """Message sizes measured across nodes: INTERNODE_BYTES below `max_bytes`, and `max_bytes` itself."""
+    return tuple(sorted({b for b in INTERNODE_BYTES if b < max_bytes} | {max_bytes}))
+
+
+def _seconds(fn, inner: int) -> float:
+    """Median seconds of one call of the collective `fn` over SAMPLES samples of `inner` calls (after a warm-up)."""
+    fn()
+    out = []
+    for _ in range(SAMPLES):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t0) / inner)
+    return statistics.median(out)
+
+
+def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") -> dict[str, list[tuple[int, float]]]:
+    """One rank under the torchrun agent: all-reduce and all-gather over every rank of every node at each of
+    `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The all-gather's bytes
+    are its gathered output, as in bench.py."""
+    import torch.distributed as dist
+
+    from scaletrain.parallel.runtime import init_distributed, shutdown_distributed
+
+    rt = init_distributed(device_type, timeout_s=STORE_TIMEOUT_S)
+    world, device = rt.world_size, rt.device
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    out: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": []}
+    try:
+        for nbytes in sizes:
+            t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+            part = t[: nbytes // 4 // world]
+            gathered = torch.empty(world * part.numel(), dtype=torch.float32, device=device)
+            for kind, fn, size in (
+                ("all_reduce", partial(dist.all_reduce, t), nbytes),
+                ("all_gather", partial(gather, gathered, part), gathered.numel() * 4),
+            ):
+                dist.barrier()
+                inner = min(5, max(1, MIB // nbytes))  # the same count on every rank
+                slowest = torch.tensor([_seconds(fn, inner)], dtype=torch.float64, device=device)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+                out[kind].append((size, float(slowest.cpu())))
+    finally:
+        shutdown_distributed()
+    return out
+
+
+def fit_seconds(points, steps: float, volume: float) -> tuple[float, float]:
+    """(latency per ring step in s, bus bandwidth in bytes/s) of t = steps x latency + volume x bytes / busbw, least
+    squares on the seconds themselves: across a slow link the large messages carry the bandwidth, and on a loaded
+    host the small ones' few milliseconds are mostly noise (bench.py's relative-error fit let one noisy 64 KiB point
+    pull a 1 Gbit/s link's busbw 30 % high). A negative latency (noise) falls back to a bandwidth-only fit."""
+    size = np.asarray([p[0] for p in points], dtype=np.float64)
+    sec = np.asarray([p[1] for p in points], dtype=np.float64)
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(size), size], axis=1), sec, rcond=None)
+    if a < 0 or b <= 0:
+        a, b = 0.0, float(np.sum(size * sec) / np.sum(size * size))
+    return float(a) / steps, volume / float(b)
+
+
+def internode_fields(points: dict[str, list[tuple[int, float]]], nodes: int, per_node: int) -> dict:
+    """Calibration fields of the world collectives measured over `nodes` x `per_node` ranks."""
+    n = float(nodes * per_node)
+    ar_lat, ar_bw = fit_seconds(points["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
+    ag_lat, ag_bw = fit_seconds(points["all_gather"], n - 1, (n - 1) / n)
+    return {
+        "nodes": nodes,
+        "internode_allreduce_busbw": ar_bw,
+        "internode_allreduce_latency_s": ar_lat,
+        "internode_allgather_busbw": ag_bw,
+        "internode_allgather_latency_s": ag_lat,
+        "internode_all_reduce": tuple(points["all_reduce"]),
+        "internode_all_gather": tuple(points["all_gather"]),
+    }
+
+
+def compare_nodes(records: list[dict | None], nodes: int) -> str | None:
+    """One line naming the first node whose bench differs from node 0's (or a node rank nobody gave); None if all
+    agree. `records[i]`: what node i published, None if no node gave --node-rank i."""
+    missing = [i for i, r in enumerate(records) if r is None]
+    if missing:
+        return (
+            f"--node-rank: no node gave {missing[0]} (two nodes gave the same one?); give each of the {nodes} "
+            f"nodes its own --node-rank 0..{nodes - 1}"
+        )
+    first = records[0]
+    assert first is not None
+    what = {"nproc": "--nproc", "sizes": "--size-mb (message sizes)", "torch": "torch", "scaletrain": "scaletrain"}
+    for r in records[1:]:
+        assert r is not None
+        for key, name in what.items():
+            if r[key] != first[key]:
+                return (
+                    f"node {r['node']} ({r['addr']}) has {name} {r[key]} but node 0 ({first['addr']}) has "
+                    f"{first[key]}; start every node with the same `scaletrain bench --nodes` command and versions"
+                )
+    return None

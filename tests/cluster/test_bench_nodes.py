@@ -1,0 +1,57 @@
+"""`scaletrain bench --nodes 2` across two simulated nodes (network namespaces, 2 CPU ranks each, link shaped to
+1 Gbit/s by `tc tbf`): node 0 writes a calibration whose inter-node bus bandwidth shows the shaping, well below the
+figure measured inside a node (loopback, unshaped), and the planner prices collectives spanning nodes with it."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cluster_nodes import make_cluster
+from scaletrain.hardware import apply_calibration, load_calibration, make_cluster as make_plan_cluster
+from scaletrain.plan.comm import collective_seconds
+
+ENDPOINT = "198.51.100.1:29410"
+LINE_RATE = 1e9 / 8  # bytes/s of tbf's 1gbit
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    yield from make_cluster(2, rate="1gbit")
+
+
+@pytest.mark.slow
+def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
+    out = tmp_path / "cal.toml"
+    args = ["--nproc", "2", "--size-mb", "4", "--matmul-n", "64", "-o", str(out)]
+    procs = [
+        node.popen(
+            [sys.executable, "-m", "scaletrain.cli.main", "bench", "--nodes", "2", "--node-rank", str(node.index)]
+            + ["--rdzv-endpoint", ENDPOINT, *args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in cluster.nodes
+    ]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    for i, (_, stderr, rc) in enumerate(results):
+        assert rc == 0, f"node {i} exited {rc}: {stderr[-3000:]}"
+        assert "Traceback" not in stderr, stderr[-3000:]
+    assert "across 2 nodes all-reduce busbw" in results[0][0], results[0][0]
+    assert results[1][0].strip() == f"node 1: measured; node 0 writes {out}"
+    cal = load_calibration(out)
+    assert cal.nodes == 2 and cal.ranks == 2
+    assert [p[0] for p in cal.internode_all_reduce] == [2**16, 2**20, 2**22]
+    inter, intra = cal.internode_allreduce_busbw, cal.allreduce_busbw
+    assert inter is not None and intra is not None and cal.internode_allgather_busbw is not None
+    # one ring stream per node link: at most the line rate (tbf's 256 KB burst and the fit's noise: 1.2x)
+    assert inter < 1.2 * LINE_RATE, f"inter-node busbw {inter / 1e9:.3f} GB/s on a 1 Gbit/s link"
+    assert cal.internode_allgather_busbw < 1.2 * LINE_RATE
+    assert inter < intra / 2, f"inter-node {inter / 1e9:.3f} GB/s vs inside a node {intra / 1e9:.3f} GB/s"
+    # the planner prices DDP's ring over both nodes with it, HSDP's shard groups inside a node without it
+    plan = apply_calibration(make_plan_cluster("cpu", 4, gpus_per_node=2), cal)
+    S = 16e6
+    assert collective_seconds("all_reduce", S, 4, 1, plan) >= 1.5 * S / inter
+    assert collective_seconds("all_reduce", S, 2, 1, plan) < 1.5 * S / inter
