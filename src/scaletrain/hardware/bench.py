@@ -7,6 +7,11 @@ torch.multiprocessing, meeting on 127.0.0.1 over torch.distributed (gloo on CPUs
 with the threads the local launcher gives it (launch/local.py: cores / ranks). On a CPU the ranks compute at the
 same time, so the figures are what each rank gets while sharing the cores. Bus bandwidth follows nccl-tests:
 all-reduce algbw x 2(n-1)/n, all-gather algbw x (n-1)/n.
+
+On a CPU two more things are recorded (the planner's CPU-only terms, docs/planner.md): the cores this process may
+run on (os.sched_getaffinity), and what a collective costs beyond its own time when the ranks compute between
+collectives, as they do in FSDP, DDP and TP, against the gap of compute between two collectives: with more ranks
+than cores, ranks reach a collective at times the scheduler's slices spread apart, and every rank waits for the last.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ COPY_BYTES = {"cpu": (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB), "cuda": (1 * MIB, 
 COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to the --size-mb message
 # one timing sample repeats the call until it lasts this long: longer than a scheduler time slice, so that a rank
 # sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
-SAMPLE_S = 0.06
-ROUNDS = 5
+SAMPLE_S = 0.05
+ROUNDS = 4
+# compute between two collectives (seconds) at which the cost of a collective amid compute is measured (CPU): from
+# a TP layer's op to an FSDP unit's backward
+SYNC_GAPS_S = (0.001, 0.004, 0.016, 0.064)
+SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
 
 
 def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
@@ -40,7 +49,8 @@ def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
     tokens through a narrow layer, attention scores with a short head dim) whose intensity is low."""
     d = lambda f: max(1, n // f)  # noqa: E731
     shapes = [(n, n, n), (d(2),) * 3, (d(4),) * 3, (d(16),) * 3, (4 * n, d(8), d(8)), (4 * n, d(32), d(32))]
-    shapes += [(d(4), d(4), d(32)), (n, n, d(32))]
+    # n x n/8 x n/8 and n/2 x n/2 x n/8: working sets between the squares', where a CPU's rate falls off its cache
+    shapes += [(d(4), d(4), d(32)), (n, n, d(32)), (n, d(8), d(8)), (d(2), d(2), d(8))]
     return list(dict.fromkeys(shapes))
 
 
@@ -82,6 +92,52 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
             sync()
             out.append((time.perf_counter() - t0) / n)
     return [statistics.median(x) for x in samples]
+
+
+def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, float]]:
+    """(gap, extra) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
+    issued after that compute adds beyond the compute and the same all-gather alone. Every rank runs the same
+    compute (an in-cache 256^3 fp32 matmul repeated, its count from rank 0) and the same calls, round-robin
+    over (compute, compute + gather, gather) like the other curves; medians over the rounds."""
+    import torch.distributed as dist
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    torch.mm(a, b)
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(8):
+        torch.mm(a, b)
+    per_mm = torch.tensor([(time.perf_counter() - t0) / 8], dtype=torch.float64)
+    dist.broadcast(per_mm, 0)  # every rank computes the same count
+    out = torch.empty(SYNC_BYTES // 4, dtype=torch.float32)
+    part = out[: SYNC_BYTES // 4 // world]
+    points = []
+    for gap in SYNC_GAPS_S:
+        n_mm = max(1, round(gap / float(per_mm)))
+        iters = max(2, round(0.12 / gap))  # ~0.1 s of compute per sample
+
+        def compute(n_mm=n_mm) -> None:
+            for _ in range(n_mm):
+                torch.mm(a, b)
+
+        def gather() -> None:
+            all_gather(out, part)
+
+        def both() -> None:
+            compute()
+            gather()
+
+        samples: dict[str, list[float]] = {"c": [], "cg": [], "g": []}
+        for _ in range(3):
+            for kind, fn in (("c", compute), ("cg", both), ("g", gather)):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                samples[kind].append((time.perf_counter() - t0) / iters)
+        c, cg, g = (statistics.median(samples[k]) for k in ("c", "cg", "g"))
+        points.append((c, max(cg - c - g, 1e-9)))  # a point's values must be positive (calibration files)
+    return points
 
 
 def count_dispatched_ops(fn) -> int:
@@ -147,7 +203,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     barrier = dist.barrier if port is not None else (lambda: None)
     computes = plan.compute and (not plan.gpu_compute or nccl or rank == 0)
-    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": []}
+    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": [], "sync": []}
     try:
         shapes = matmul_shapes(plan.matmul_n) if computes else []
         sizes = COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if computes else ()
@@ -183,10 +239,17 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
                     size = nbytes if kind == "all_reduce" else gathered.numel() * 4
                     res[kind].append((size, float(slowest.cpu())))
+            if plan.compute and not plan.gpu_compute:
+                res["sync"] = _sync_extra_seconds(world, barrier, gather)
         out.put((rank, res))
     finally:
         if port is not None:
             dist.destroy_process_group()
+
+
+def _usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _free_port() -> int:
@@ -284,4 +347,6 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         copy=copy,
         all_reduce=tuple(results[0]["all_reduce"]),
         all_gather=tuple(results[0]["all_gather"]),
+        host_cores=None if on_gpu else _usable_cores(),
+        collective_amid_compute=tuple(results[0]["sync"]),
     )
