@@ -14,7 +14,7 @@ from scaletrain.hardware.bench import matmul_shapes
 from scaletrain.hardware.calibration import CalibrationError, save_calibration
 from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, Workload, evaluate_layout
-from scaletrain.plan.efficiency import amid_compute_seconds, gemm_seconds, shape_rate
+from scaletrain.plan.efficiency import amid_compute_seconds, gemm_seconds, nondecreasing, shape_rate
 from scaletrain.plan.steptime import TIME_LINES, share_cores
 
 WAIT = 0.01  # seconds every collective amid compute waits in the flat curve below
@@ -124,3 +124,9 @@ def test_share_cores_is_max_of_the_critical_path_at_a_core_and_the_work():
     # (10 compute + 1 tp comm of work) + 2 waits + 4 bubble = 17 at half a core each -> 8.5 < 11: the work
     # decides; with a 30 s bubble (43 / 2 = 21.5) the critical path does; pp = 1 (not a pipeline): the waits
     # count as work (13)
+
+
+def test_a_scattered_wait_curve_is_read_through_its_nondecreasing_fit():
+    assert nondecreasing([1.0, 3.0, 2.0, 4.0, 0.0]) == pytest.approx([1.0, 2.25, 2.25, 2.25, 2.25])
+    c = cluster(dataclasses.replace(calibration(), collective_amid_compute=((0.01, 0.004), (0.1, 1e-9))))
+    assert amid_compute_seconds(0.1, 4, c) == pytest.approx(0.002)  # the large-gap sample fell to noise

@@ -594,8 +594,9 @@ def _pinned_options(opts, pins):
 @click.option("--matmul-n", type=int, default=None, help="Largest square matmul [default: 8192 on a GPU, else 1024].")
 def bench(output, nproc, size_mb, matmul_n) -> None:
     """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
-    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks; write a
-    calibration TOML for `scaletrain plan --calibration FILE`."""
+    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks (on a CPU also
+    its usable cores and a collective's extra wait amid compute); write a calibration TOML for
+    `scaletrain plan --calibration FILE`."""
     from scaletrain.hardware.bench import run_bench
     from scaletrain.hardware.calibration import save_calibration
     from scaletrain.hardware.detect import detect_host

@@ -40,7 +40,7 @@ SAMPLE_S = 0.05
 ROUNDS = 4
 # compute between two collectives (seconds) at which the cost of a collective amid compute is measured (CPU): from
 # a TP layer's op to an FSDP unit's backward
-SYNC_GAPS_S = (0.001, 0.004, 0.016, 0.064)
+SYNC_GAPS_S = (0.002, 0.008, 0.024, 0.064)
 SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
 
 
@@ -98,7 +98,7 @@ def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, fl
     """(gap, extra) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
     issued after that compute adds beyond the compute and the same all-gather alone. Every rank runs the same
     compute (an in-cache 256^3 fp32 matmul repeated, its count from rank 0) and the same calls, round-robin
-    over (compute, compute + gather, gather) like the other curves; medians over the rounds."""
+    over (compute, compute + gather, gather) like the other curves."""
     import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
@@ -114,7 +114,7 @@ def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, fl
     points = []
     for gap in SYNC_GAPS_S:
         n_mm = max(1, round(gap / float(per_mm)))
-        iters = max(2, round(0.12 / gap))  # ~0.1 s of compute per sample
+        iters = max(2, round(0.08 / gap))  # ~0.08 s of compute per sample
 
         def compute(n_mm=n_mm) -> None:
             for _ in range(n_mm):
@@ -127,16 +127,20 @@ def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, fl
             compute()
             gather()
 
-        samples: dict[str, list[float]] = {"c": [], "cg": [], "g": []}
-        for _ in range(3):
+        rounds: list[dict[str, float]] = []
+        for _ in range(4):
+            times = {}
             for kind, fn in (("c", compute), ("cg", both), ("g", gather)):
                 barrier()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()
-                samples[kind].append((time.perf_counter() - t0) / iters)
-        c, cg, g = (statistics.median(samples[k]) for k in ("c", "cg", "g"))
-        points.append((c, max(cg - c - g, 1e-9)))  # a point's values must be positive (calibration files)
+                times[kind] = (time.perf_counter() - t0) / iters
+            rounds.append(times)
+        # the three samples of a round met the same load on a shared host: difference within a round, median over
+        # them; a point's values must be positive (calibration files)
+        extra = statistics.median(r["cg"] - r["c"] - r["g"] for r in rounds)
+        points.append((statistics.median(r["c"] for r in rounds), max(extra, 1e-9)))
     return points
 
 
@@ -259,16 +263,22 @@ def _free_port() -> int:
 
 
 def _spawn(nproc: int, plan: BenchPlan) -> list[dict]:
-    """Run _measure in `nproc` fresh local processes (one in this process when nproc is 1); results by rank."""
+    """Run _measure in `nproc` fresh local processes (one in this process when nproc is 1); results by rank.
+    Without a GPU they are forked: they inherit torch and the caller's modules instead of importing them again
+    (on 2 busy cores, 4 spawned ranks took 35 s to start); CUDA cannot be forked, so with a GPU they are spawned."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    method = "spawn" if plan.gpu_compute or plan.backend == "nccl" else "fork"
+    if method == "fork" and plan.compute:  # the first steps of a model pay one-time set-up: pay it once, here
+        step, _ = tiny_model_step()
+        step()
+    ctx = mp.get_context(method)
     out = ctx.SimpleQueue()
     if nproc == 1:
         _measure(0, 1, None, plan, out)
     else:
         mp.start_processes(
-            _measure, args=(nproc, _free_port(), plan, out), nprocs=nproc, join=True, start_method="spawn"
+            _measure, args=(nproc, _free_port(), plan, out), nprocs=nproc, join=True, start_method=method
         )
     results = dict(out.get() for _ in range(nproc))
     return [results[r] for r in range(nproc)]

@@ -99,18 +99,31 @@ def shape_rate(m, n, k, shapes) -> np.ndarray:
     return np.exp(np.sum(w * np.log(rates), axis=-1) / np.sum(w, axis=-1))
 
 
+def nondecreasing(ys) -> list[float]:
+    """The least-squares non-decreasing fit of `ys` (pool adjacent violators, Ayer et al. 1955)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def amid_compute_seconds(gap, size, cluster: Cluster):
     """Extra seconds one collective on `size` ranks waits when the ranks computed for `gap` seconds since the last
     one: a CPU calibration's measured curve (0 without one, or for one rank). It is the wait for the last rank to
-    arrive, taken as the same for any group (bench measures it over all its ranks). Linear between the measured
-    gaps and through zero (no compute in between, no spread in arrival), flat beyond the largest."""
+    arrive, taken as the same for any group (bench measures it over all its ranks). The spread of arrivals builds
+    up over the compute between two collectives, so the measured points are read through their non-decreasing
+    fit (a loaded host scatters them); linear between the measured gaps and through zero (no compute in between,
+    no spread), flat beyond the largest."""
     curve = cluster.measured_sync_curve
     size = np.asarray(size, dtype=np.float64)
     if not curve:
         return np.zeros(np.broadcast(np.asarray(gap), size).shape)
     xs, ys = zip(*sorted(curve))
-    per_step = np.interp(np.asarray(gap, dtype=np.float64), (0.0, *xs), (0.0, *ys))
-    return np.where(size > 1.0, per_step, 0.0)
+    wait = np.interp(np.asarray(gap, dtype=np.float64), (0.0, *xs), (0.0, *nondecreasing(ys)))
+    return np.where(size > 1.0, wait, 0.0)
 
 
 def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
