@@ -629,5 +629,13 @@ def bench(output, nproc, size_mb, matmul_n) -> None:
         f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
         f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
         f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
-        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm} -> {output}"
+        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm}{_sharing(cal)} -> {output}"
     )
+
+
+def _sharing(cal) -> str:
+    """How the CPU ranks share the host, as bench measured it (empty on GPUs)."""
+    if cal.host_cores is None:
+        return ""
+    waits = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.collective_amid_compute)
+    return f"; {cal.host_cores} cores" + (f"; a collective amid compute waits {waits}" if waits else "")

@@ -16,6 +16,7 @@ than cores, ranks reach a collective at times the scheduler's slices spread apar
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -37,7 +38,7 @@ COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to th
 # one timing sample repeats the call until it lasts this long: longer than a scheduler time slice, so that a rank
 # sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
 SAMPLE_S = 0.05
-ROUNDS = 4
+ROUNDS = 7
 # compute between two collectives (seconds) at which the cost of a collective amid compute is measured (CPU): from
 # a TP layer's op to an FSDP unit's backward
 SYNC_GAPS_S = (0.002, 0.008, 0.024, 0.064)
@@ -95,52 +96,49 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
 
 
 def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, float]]:
-    """(gap, extra) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
-    issued after that compute adds beyond the compute and the same all-gather alone. Every rank runs the same
-    compute (an in-cache 256^3 fp32 matmul repeated, its count from rank 0) and the same calls, round-robin
-    over (compute, compute + gather, gather) like the other curves."""
+    """(gap, cost) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
+    issued after that compute adds to it (run_bench subtracts what the all-gather fit charges). Every rank runs
+    the same compute (an in-cache 256^3 fp32 matmul repeated, its count from rank 0) and issues the gather as
+    FSDP2 does (async, then wait); compute alone and compute + gather alternate, round by round."""
     import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     torch.mm(a, b)
     barrier()
-    t0 = time.perf_counter()
-    for _ in range(8):
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < SAMPLE_S:  # longer than a time slice: the pace a rank gets among the others
         torch.mm(a, b)
-    per_mm = torch.tensor([(time.perf_counter() - t0) / 8], dtype=torch.float64)
+        calls += 1
+    per_mm = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
     dist.broadcast(per_mm, 0)  # every rank computes the same count
     out = torch.empty(SYNC_BYTES // 4, dtype=torch.float32)
     part = out[: SYNC_BYTES // 4 // world]
     points = []
     for gap in SYNC_GAPS_S:
         n_mm = max(1, round(gap / float(per_mm)))
-        iters = max(2, round(0.08 / gap))  # ~0.08 s of compute per sample
+        iters = max(2, round(0.12 / gap))  # ~0.12 s of compute per sample
 
         def compute(n_mm=n_mm) -> None:
             for _ in range(n_mm):
                 torch.mm(a, b)
 
-        def gather() -> None:
-            all_gather(out, part)
-
-        def both() -> None:
+        def both(compute=compute) -> None:
             compute()
-            gather()
+            all_gather(out, part, async_op=True).wait()
 
         rounds: list[dict[str, float]] = []
         for _ in range(4):
             times = {}
-            for kind, fn in (("c", compute), ("cg", both), ("g", gather)):
+            for kind, fn in (("c", compute), ("cg", both)):
                 barrier()
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     fn()
                 times[kind] = (time.perf_counter() - t0) / iters
             rounds.append(times)
-        # the three samples of a round met the same load on a shared host: difference within a round, median over
-        # them; a point's values must be positive (calibration files)
-        extra = statistics.median(r["cg"] - r["c"] - r["g"] for r in rounds)
-        points.append((statistics.median(r["c"] for r in rounds), max(extra, 1e-9)))
+        # the two samples of a round met the same load on a shared host: difference within a round, median over them
+        cost = statistics.median(r["cg"] - r["c"] for r in rounds)
+        points.append((statistics.median(r["c"] for r in rounds), cost))
     return points
 
 
@@ -339,6 +337,11 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         n = float(nproc)
         fits["all_reduce"] = fit_latency_bandwidth(results[0]["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
         fits["all_gather"] = fit_latency_bandwidth(results[0]["all_gather"], n - 1, (n - 1) / n)
+    # the wait amid compute: what the all-gather cost there beyond what its fit charges (the planner charges both);
+    # a point's values must be positive (calibration files)
+    lat, busbw = fits["all_gather"]
+    alone = (nproc - 1) * (lat or 0.0) + (nproc - 1) / nproc * SYNC_BYTES / (busbw or math.inf)
+    sync = tuple((gap, max(cost - alone, 1e-9)) for gap, cost in results[0]["sync"])
     return Calibration(
         device=host.catalog_gpu,
         host=host.hostname,
@@ -358,5 +361,5 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         all_reduce=tuple(results[0]["all_reduce"]),
         all_gather=tuple(results[0]["all_gather"]),
         host_cores=None if on_gpu else _usable_cores(),
-        collective_amid_compute=tuple(results[0]["sync"]),
+        collective_amid_compute=sync,
     )
