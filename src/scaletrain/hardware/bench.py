@@ -39,9 +39,11 @@ COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to th
 # sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
 SAMPLE_S = 0.05
 ROUNDS = 7
-# compute between two collectives (seconds) at which the cost of a collective amid compute is measured (CPU): from
-# a TP layer's op to an FSDP unit's backward
-SYNC_GAPS_S = (0.002, 0.008, 0.024, 0.064)
+# compute between two collectives at which the cost of a collective amid compute is measured (CPU), as a count of
+# in-cache 256^3 fp32 matmuls (~0.4 ms each on one quiet core): from a TP layer's op to an FSDP unit's backward. A
+# count, not a duration: every rank must compute the same, and a duration timed on a shared host is not repeatable
+# (a compute shorter than a time slice runs at a whole core's pace); the file records the gap as measured
+SYNC_MATMULS = (2, 8, 32, 96)
 SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
 
 
@@ -98,25 +100,16 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
 def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, float]]:
     """(gap, cost) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
     issued after that compute adds to it (run_bench subtracts what the all-gather fit charges). Every rank runs
-    the same compute (an in-cache 256^3 fp32 matmul repeated, its count from rank 0) and issues the gather as
+    the same compute (SYNC_MATMULS in-cache 256^3 fp32 matmuls) and issues the gather as
     FSDP2 does (async, then wait); compute alone and compute + gather alternate, round by round."""
-    import torch.distributed as dist
 
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     torch.mm(a, b)
-    barrier()
-    t0, calls = time.perf_counter(), 0
-    while time.perf_counter() - t0 < SAMPLE_S:  # longer than a time slice: the pace a rank gets among the others
-        torch.mm(a, b)
-        calls += 1
-    per_mm = torch.tensor([(time.perf_counter() - t0) / calls], dtype=torch.float64)
-    dist.broadcast(per_mm, 0)  # every rank computes the same count
     out = torch.empty(SYNC_BYTES // 4, dtype=torch.float32)
     part = out[: SYNC_BYTES // 4 // world]
     points = []
-    for gap in SYNC_GAPS_S:
-        n_mm = max(1, round(gap / float(per_mm)))
-        iters = max(2, round(0.12 / gap))  # ~0.12 s of compute per sample
+    for n_mm in SYNC_MATMULS:
+        iters = max(2, 96 // n_mm)  # ~96 matmuls per sample
 
         def compute(n_mm=n_mm) -> None:
             for _ in range(n_mm):
@@ -268,8 +261,13 @@ def _spawn(nproc: int, plan: BenchPlan) -> list[dict]:
 
     method = "spawn" if plan.gpu_compute or plan.backend == "nccl" else "fork"
     if method == "fork" and plan.compute:  # the first steps of a model pay one-time set-up: pay it once, here
-        step, _ = tiny_model_step()
-        step()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # no OpenMP thread pool in the parent: libgomp's is not safe to fork
+        try:
+            step, _ = tiny_model_step()
+            step()
+        finally:
+            torch.set_num_threads(threads)
     ctx = mp.get_context(method)
     out = ctx.SimpleQueue()
     if nproc == 1:
