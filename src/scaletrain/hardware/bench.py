@@ -75,7 +75,7 @@ def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
 def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float]:
     """Median seconds of one call of each of `fns`, measured round-robin: each round takes one SAMPLE_S sample of
     every function in turn, so that load coming and going on a shared host falls on all of them alike and the
-    curve keeps its shape. Every rank runs the same rounds at once (a barrier each): they contend as a training
+    curve keeps its shape. Every rank samples the same function at once (a barrier each): they contend as a training
     step's ranks do."""
     inner = []
     for fn in fns:  # warm-up, then the calls one sample needs
@@ -87,8 +87,8 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
         inner.append(int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7)))))
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        barrier()
         for fn, n, out in zip(fns, inner, samples):
+            barrier()  # every rank on the same function at once: a rank done early would leave its core to others
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
