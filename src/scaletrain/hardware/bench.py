@@ -72,7 +72,7 @@ def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
     return statistics.median(out)
 
 
-def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float]:
+def _interleaved_seconds(fns, sync, barrier, agree=lambda counts: counts, rounds: int = ROUNDS) -> list[float]:
     """Median seconds of one call of each of `fns`, measured round-robin: each round takes one SAMPLE_S sample of
     every function in turn, so that load coming and going on a shared host falls on all of them alike and the
     curve keeps its shape. Every rank samples the same function at once (a barrier each): they contend as a training
@@ -85,6 +85,9 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
         fn()
         sync()
         inner.append(int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7)))))
+    # every rank does the same calls per sample (rank 0's counts): one that timed its warm-up call alone would
+    # otherwise take longer samples, finish them alone and report a whole core's rate
+    inner = agree(inner)
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, n, out in zip(fns, inner, samples):
@@ -95,6 +98,17 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
             sync()
             out.append((time.perf_counter() - t0) / n)
     return [statistics.median(x) for x in samples]
+
+
+def _rank0_counts(port: int | None, counts: list[int]) -> list[int]:
+    """Rank 0's `counts` on every rank (one process: as they are)."""
+    if port is None or not counts:
+        return counts
+    import torch.distributed as dist
+
+    t = torch.tensor(counts, dtype=torch.int64)
+    dist.broadcast(t, 0)
+    return [int(x) for x in t]
 
 
 def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, float]]:
@@ -212,7 +226,9 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         if computes:
             step, ops = tiny_model_step(device)
             fns.append(step)
-        seconds = _interleaved_seconds(fns, sync, barrier) if plan.compute else []
+        every = not plan.gpu_compute or nccl  # every rank computes (else rank 0 alone, on the one GPU)
+        agree = partial(_rank0_counts, port if every else None)
+        seconds = _interleaved_seconds(fns, sync, barrier, agree) if plan.compute else []
         res["matmul"] = [(m, n, k, 2.0 * m * n * k / t) for (m, n, k), t in zip(shapes, seconds)]
         res["copy"] = [(b, 2.0 * b / t) for b, t in zip(sizes, seconds[len(shapes) :])]
         res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) :]]
