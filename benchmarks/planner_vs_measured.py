@@ -13,6 +13,7 @@ is what counts); with a `scaletrain bench` file its compute and all-reduce figur
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def main() -> None:
         if a.from_json
         else measured_runs(a)
     )
+    load = os.getloadavg()[0]  # a shared host: the load the runs met is part of the result
     rows = []
     for over, r in measured:
         if "step_time_s" in r:
@@ -64,6 +66,8 @@ def main() -> None:
         f"on {cluster.gpu.name}"
         + (f" ({cluster.calibration_note})" if cluster.calibration_note else " (catalog placeholders)")
     )
+    if not a.from_json:
+        print(f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     by_pred = sorted(rows, key=lambda r: r["predicted_s"])
     print(f"{'layout':<14}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'rank meas.':>11}{'rank pred.':>11}")
     for i, r in enumerate(sorted(rows, key=lambda r: r["step_time_s"]), 1):

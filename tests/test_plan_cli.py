@@ -193,6 +193,8 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     assert len(measured.matmul) >= 6 and len(measured.copy) >= 3
     assert [b for b, _ in measured.all_reduce][-1] == 2**20 and len(measured.all_gather) == len(measured.all_reduce)
     assert measured.allreduce_latency_s is not None and measured.allgather_busbw > 0
+    # a CPU host: its usable cores and the wait of a collective amid compute at each measured gap
+    assert measured.host_cores >= 1 and len(measured.collective_amid_compute) == 4 and "cores" in p.stdout
     r = run(
         [
             "plan",

@@ -604,9 +604,10 @@ def _pinned_options(opts, pins):
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
 def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> None:
     """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
-    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks; write a
-    calibration TOML for `scaletrain plan --calibration FILE`. With `--nodes N --node-rank K --rdzv-endpoint
-    HOST:PORT` on each of N nodes, also across the nodes (the planner prices collectives spanning nodes with it)."""
+    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks (on a CPU also
+    its usable cores and a collective's extra wait amid compute); write a calibration TOML for
+    `scaletrain plan --calibration FILE`. With `--nodes N --node-rank K --rdzv-endpoint HOST:PORT` on each of N
+    nodes, also across the nodes (the planner prices collectives spanning nodes with it)."""
     from scaletrain.hardware.bench import run_bench
     from scaletrain.hardware.calibration import save_calibration
     from scaletrain.hardware.detect import detect_host
@@ -651,7 +652,7 @@ def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> 
         f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
         f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
         f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
-        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm} -> {output}"
+        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm}{_sharing(cal)} -> {output}"
     )
 
 
@@ -677,3 +678,11 @@ def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         fail(f"bench across nodes failed on rank {rank} (exit {failure.exitcode}): {failure.message or 'see above'}")
+
+
+def _sharing(cal) -> str:
+    """How the CPU ranks share the host, as bench measured it (empty on GPUs)."""
+    if cal.host_cores is None:
+        return ""
+    waits = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.collective_amid_compute)
+    return f"; {cal.host_cores} cores" + (f"; a collective amid compute waits {waits}" if waits else "")

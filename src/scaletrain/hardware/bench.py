@@ -7,10 +7,16 @@ torch.multiprocessing, meeting on 127.0.0.1 over torch.distributed (gloo on CPUs
 with the threads the local launcher gives it (launch/local.py: cores / ranks). On a CPU the ranks compute at the
 same time, so the figures are what each rank gets while sharing the cores. Bus bandwidth follows nccl-tests:
 all-reduce algbw x 2(n-1)/n, all-gather algbw x (n-1)/n.
+
+On a CPU two more things are recorded (the planner's CPU-only terms, docs/planner.md): the cores this process may
+run on (os.sched_getaffinity), and what a collective costs beyond its own time when the ranks compute between
+collectives, as they do in FSDP, DDP and TP, against the gap of compute between two collectives: with more ranks
+than cores, ranks reach a collective at times the scheduler's slices spread apart, and every rank waits for the last.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -31,8 +37,14 @@ COPY_BYTES = {"cpu": (64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB), "cuda": (1 * MIB, 
 COLLECTIVE_BYTES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB)  # up to the --size-mb message
 # one timing sample repeats the call until it lasts this long: longer than a scheduler time slice, so that a rank
 # sharing its cores sees the same share of them in a small GEMM's sample as in a large one's (as in a training step)
-SAMPLE_S = 0.06
-ROUNDS = 5
+SAMPLE_S = 0.05
+ROUNDS = 7
+# compute between two collectives at which the cost of a collective amid compute is measured (CPU), as a count of
+# in-cache 256^3 fp32 matmuls (~0.4 ms each on one quiet core): from a TP layer's op to an FSDP unit's backward. A
+# count, not a duration: every rank must compute the same, and a duration timed on a shared host is not repeatable
+# (a compute shorter than a time slice runs at a whole core's pace); the file records the gap as measured
+SYNC_MATMULS = (2, 8, 32, 96)
+SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
 
 
 def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
@@ -40,7 +52,8 @@ def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
     tokens through a narrow layer, attention scores with a short head dim) whose intensity is low."""
     d = lambda f: max(1, n // f)  # noqa: E731
     shapes = [(n, n, n), (d(2),) * 3, (d(4),) * 3, (d(16),) * 3, (4 * n, d(8), d(8)), (4 * n, d(32), d(32))]
-    shapes += [(d(4), d(4), d(32)), (n, n, d(32))]
+    # n x n/8 x n/8 and n/2 x n/2 x n/8: working sets between the squares', where a CPU's rate falls off its cache
+    shapes += [(d(4), d(4), d(32)), (n, n, d(32)), (n, d(8), d(8)), (d(2), d(2), d(8))]
     return list(dict.fromkeys(shapes))
 
 
@@ -59,10 +72,10 @@ def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
     return statistics.median(out)
 
 
-def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float]:
+def _interleaved_seconds(fns, sync, barrier, agree=lambda counts: counts, rounds: int = ROUNDS) -> list[float]:
     """Median seconds of one call of each of `fns`, measured round-robin: each round takes one SAMPLE_S sample of
     every function in turn, so that load coming and going on a shared host falls on all of them alike and the
-    curve keeps its shape. Every rank runs the same rounds at once (a barrier each): they contend as a training
+    curve keeps its shape. Every rank samples the same function at once (a barrier each): they contend as a training
     step's ranks do."""
     inner = []
     for fn in fns:  # warm-up, then the calls one sample needs
@@ -72,16 +85,68 @@ def _interleaved_seconds(fns, sync, barrier, rounds: int = ROUNDS) -> list[float
         fn()
         sync()
         inner.append(int(min(100_000, max(1, SAMPLE_S / max(time.perf_counter() - t0, 1e-7)))))
+    # every rank does the same calls per sample (rank 0's counts): one that timed its warm-up call alone would
+    # otherwise take longer samples, finish them alone and report a whole core's rate
+    inner = agree(inner)
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
-        barrier()
         for fn, n, out in zip(fns, inner, samples):
+            barrier()  # every rank on the same function at once: a rank done early would leave its core to others
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
             sync()
             out.append((time.perf_counter() - t0) / n)
     return [statistics.median(x) for x in samples]
+
+
+def _rank0_counts(port: int | None, counts: list[int]) -> list[int]:
+    """Rank 0's `counts` on every rank (one process: as they are)."""
+    if port is None or not counts:
+        return counts
+    import torch.distributed as dist
+
+    t = torch.tensor(counts, dtype=torch.int64)
+    dist.broadcast(t, 0)
+    return [int(x) for x in t]
+
+
+def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, float]]:
+    """(gap, cost) points: seconds of compute between two collectives, and the seconds a SYNC_BYTES all-gather
+    issued after that compute adds to it (run_bench subtracts what the all-gather fit charges). Every rank runs
+    the same compute (SYNC_MATMULS in-cache 256^3 fp32 matmuls) and issues the gather as
+    FSDP2 does (async, then wait); compute alone and compute + gather alternate, round by round."""
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    torch.mm(a, b)
+    out = torch.empty(SYNC_BYTES // 4, dtype=torch.float32)
+    part = out[: SYNC_BYTES // 4 // world]
+    points = []
+    for n_mm in SYNC_MATMULS:
+        iters = max(2, 96 // n_mm)  # ~96 matmuls per sample
+
+        def compute(n_mm=n_mm) -> None:
+            for _ in range(n_mm):
+                torch.mm(a, b)
+
+        def both(compute=compute) -> None:
+            compute()
+            all_gather(out, part, async_op=True).wait()
+
+        rounds: list[dict[str, float]] = []
+        for _ in range(4):
+            times = {}
+            for kind, fn in (("c", compute), ("cg", both)):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                times[kind] = (time.perf_counter() - t0) / iters
+            rounds.append(times)
+        # the two samples of a round met the same load on a shared host: difference within a round, median over them
+        cost = statistics.median(r["cg"] - r["c"] for r in rounds)
+        points.append((statistics.median(r["c"] for r in rounds), cost))
+    return points
 
 
 def count_dispatched_ops(fn) -> int:
@@ -147,7 +212,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     barrier = dist.barrier if port is not None else (lambda: None)
     computes = plan.compute and (not plan.gpu_compute or nccl or rank == 0)
-    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": []}
+    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": [], "sync": []}
     try:
         shapes = matmul_shapes(plan.matmul_n) if computes else []
         sizes = COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if computes else ()
@@ -161,7 +226,9 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         if computes:
             step, ops = tiny_model_step(device)
             fns.append(step)
-        seconds = _interleaved_seconds(fns, sync, barrier) if plan.compute else []
+        every = not plan.gpu_compute or nccl  # every rank computes (else rank 0 alone, on the one GPU)
+        agree = partial(_rank0_counts, port if every else None)
+        seconds = _interleaved_seconds(fns, sync, barrier, agree) if plan.compute else []
         res["matmul"] = [(m, n, k, 2.0 * m * n * k / t) for (m, n, k), t in zip(shapes, seconds)]
         res["copy"] = [(b, 2.0 * b / t) for b, t in zip(sizes, seconds[len(shapes) :])]
         res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) :]]
@@ -183,10 +250,17 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
                     size = nbytes if kind == "all_reduce" else gathered.numel() * 4
                     res[kind].append((size, float(slowest.cpu())))
+            if plan.compute and not plan.gpu_compute:
+                res["sync"] = _sync_extra_seconds(world, barrier, gather)
         out.put((rank, res))
     finally:
         if port is not None:
             dist.destroy_process_group()
+
+
+def _usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask: a container's or taskset's limit, not the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _free_port() -> int:
@@ -196,16 +270,27 @@ def _free_port() -> int:
 
 
 def _spawn(nproc: int, plan: BenchPlan) -> list[dict]:
-    """Run _measure in `nproc` fresh local processes (one in this process when nproc is 1); results by rank."""
+    """Run _measure in `nproc` fresh local processes (one in this process when nproc is 1); results by rank.
+    Without a GPU they are forked: they inherit torch and the caller's modules instead of importing them again
+    (on 2 busy cores, 4 spawned ranks took 35 s to start); CUDA cannot be forked, so with a GPU they are spawned."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    method = "spawn" if plan.gpu_compute or plan.backend == "nccl" else "fork"
+    if method == "fork" and plan.compute:  # the first steps of a model pay one-time set-up: pay it once, here
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # no OpenMP thread pool in the parent: libgomp's is not safe to fork
+        try:
+            step, _ = tiny_model_step()
+            step()
+        finally:
+            torch.set_num_threads(threads)
+    ctx = mp.get_context(method)
     out = ctx.SimpleQueue()
     if nproc == 1:
         _measure(0, 1, None, plan, out)
     else:
         mp.start_processes(
-            _measure, args=(nproc, _free_port(), plan, out), nprocs=nproc, join=True, start_method="spawn"
+            _measure, args=(nproc, _free_port(), plan, out), nprocs=nproc, join=True, start_method=method
         )
     results = dict(out.get() for _ in range(nproc))
     return [results[r] for r in range(nproc)]
@@ -266,6 +351,11 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         n = float(nproc)
         fits["all_reduce"] = fit_latency_bandwidth(results[0]["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
         fits["all_gather"] = fit_latency_bandwidth(results[0]["all_gather"], n - 1, (n - 1) / n)
+    # the wait amid compute: what the all-gather cost there beyond what its fit charges (the planner charges both);
+    # a point's values must be positive (calibration files)
+    lat, busbw = fits["all_gather"]
+    alone = (nproc - 1) * (lat or 0.0) + (nproc - 1) / nproc * SYNC_BYTES / (busbw or math.inf)
+    sync = tuple((gap, max(cost - alone, 1e-9)) for gap, cost in results[0]["sync"])
     return Calibration(
         device=host.catalog_gpu,
         host=host.hostname,
@@ -284,4 +374,6 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         copy=copy,
         all_reduce=tuple(results[0]["all_reduce"]),
         all_gather=tuple(results[0]["all_gather"]),
+        host_cores=None if on_gpu else _usable_cores(),
+        collective_amid_compute=sync,
     )

@@ -32,6 +32,8 @@ POINT_KEYS: dict[str, tuple[str, ...]] = {
     # the same, over every rank of every node (`scaletrain bench --nodes N`)
     "internode_all_reduce": ("bytes", "seconds"),
     "internode_all_gather": ("bytes", "seconds"),
+    # CPU: seconds of compute between two collectives, and what one all-gather then costs beyond it and its own time
+    "collective_amid_compute": ("gap_s", "extra_s"),
 }
 
 
@@ -65,6 +67,10 @@ class Calibration:
     internode_allgather_latency_s: float | None = None
     internode_all_reduce: tuple[tuple[float, ...], ...] = ()
     internode_all_gather: tuple[tuple[float, ...], ...] = ()
+    # the host's CPU sharing (bench on a CPU; None on GPUs and in older files): the cores the ranks may run on
+    # (os.sched_getaffinity), and the extra wait of a collective amid compute over `ranks` ranks (POINT_KEYS)
+    host_cores: int | None = None
+    collective_amid_compute: tuple[tuple[float, ...], ...] = ()
 
     def to_toml(self) -> str:
         body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in POINT_KEYS} | {
@@ -122,6 +128,9 @@ def load_calibration(path: str | Path) -> Calibration:
     for key in (*figures, "allgather_busbw", "allgather_latency_s", *internode):
         if key in tree and not _positive(tree[key]) and not (key.endswith("latency_s") and tree[key] == 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
+    cores = tree.get("host_cores")
+    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
+        raise CalibrationError(f"{where}: host_cores: must be a whole number of cores, at least 1 (got {cores!r})")
     points = {name: _points(tree, name, where) for name in POINT_KEYS}
     scalars = {k: tree.get(k) for k in names if k not in POINT_KEYS}
     return Calibration(**scalars, **points)  # type: ignore[arg-type]  # checked above
@@ -157,8 +166,14 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         )
         if bw and lat is not None
     )
+    # bench records the cores only on a CPU host: there, GEMMs are costed by shape (cache, plan/efficiency.py) and a
+    # collective amid compute pays the measured extra wait
+    cpu = cal.host_cores is not None
     return dataclasses.replace(
         cluster,
+        measured_matmul_shapes=tuple((m, n, k, f) for m, n, k, f in cal.matmul) if cpu and cal.matmul else None,
+        host_cores=cal.host_cores,
+        measured_sync_curve=tuple((g, x) for g, x in cal.collective_amid_compute) or None,
         measured_matmul_flops=cal.matmul_flops,
         measured_busbw=cal.allreduce_busbw,
         measured_memory_bw=cal.memory_bw,

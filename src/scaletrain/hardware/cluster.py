@@ -109,6 +109,11 @@ class Cluster:
     measured_matmul_curve: tuple[tuple[float, float], ...] | None = None
     measured_copy_curve: tuple[tuple[float, float], ...] | None = None
     measured_collectives: tuple[tuple[str, float, float], ...] | None = None
+    # CPU hosts (`scaletrain bench` on a CPU, plan/steptime.py): GEMM rate by shape (m, n, k, FLOP/s), the cores the
+    # ranks share, and a collective's extra wait amid compute, (compute gap s, seconds)
+    measured_matmul_shapes: tuple[tuple[float, float, float, float], ...] | None = None
+    host_cores: int | None = None
+    measured_sync_curve: tuple[tuple[float, float], ...] | None = None
     calibration_note: str = ""
     # (collective kind, latency per ring step in s, bus bandwidth in bytes/s) of one ring over every rank of
     # several nodes, measured by `scaletrain bench --nodes` (plan/comm.py prices groups that span nodes with it)

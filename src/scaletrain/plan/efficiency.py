@@ -16,6 +16,13 @@ shapes, copy bandwidth at several sizes, collective latency + bandwidth, per-op 
 measured points replace the modelled curves: a GEMM runs at the rate measured for its intensity (FLOPs per element
 moved), a memory-bound kernel at the bandwidth measured for its size, both interpolated in log space between the
 measured points and held flat beyond them (measured_curve).
+
+On a CPU (a calibration with the host's cores) two things differ, both measured by bench (docs/planner.md):
+- a GEMM's rate follows its working set as much as its intensity: fp32 GEMMs whose operands fit the per-core
+  cache run several times faster than those that do not (this host, one thread: 256 x 128 x 352 at 97 GFLOP/s,
+  1024 x 128 x 352 at 23), so the rate is interpolated between the measured shapes nearest in (log working set,
+  log intensity) (shape_rate);
+- a collective issued between computations waits for the last rank to arrive (amid_compute_seconds).
 """
 
 from __future__ import annotations
@@ -73,6 +80,52 @@ def memory_seconds(nbytes, cluster: Cluster, per_kernel_bytes=None):
     return nbytes / (cluster.memory_bw * eff)
 
 
+def shape_rate(m, n, k, shapes) -> np.ndarray:
+    """FLOP/s of [m x k] @ [k x n] GEMMs from measured (m, n, k, FLOP/s) shapes: inverse-square-distance weights in
+    (log working set mk + kn + mn, log intensity) space, geometric mean of the rates (a measured shape gets its own
+    rate; never outside the measured range)."""
+    m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
+    pts = np.asarray(shapes, dtype=np.float64)
+    pm, pn, pk, rates = pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3]
+
+    def feats(m, n, k):
+        ws = m * k + k * n + m * n
+        return np.log(ws), np.log(2.0 * m * n * k / ws)
+
+    qa, qb = feats(m, n, k)
+    pa, pb = feats(pm, pn, pk)
+    d2 = (qa[..., None] - pa) ** 2 + (qb[..., None] - pb) ** 2
+    w = 1.0 / np.maximum(d2, 1e-12)
+    return np.exp(np.sum(w * np.log(rates), axis=-1) / np.sum(w, axis=-1))
+
+
+def nondecreasing(ys) -> list[float]:
+    """The least-squares non-decreasing fit of `ys` (pool adjacent violators, Ayer et al. 1955)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def amid_compute_seconds(gap, size, cluster: Cluster):
+    """Extra seconds one collective on `size` ranks waits when the ranks computed for `gap` seconds since the last
+    one: a CPU calibration's measured curve (0 without one, or for one rank). It is the wait for the last rank to
+    arrive, taken as the same for any group (bench measures it over all its ranks). The spread of arrivals builds
+    up over the compute between two collectives, so the measured points are read through their non-decreasing
+    fit (a loaded host scatters them); linear between the measured gaps and through zero (no compute in between,
+    no spread), flat beyond the largest."""
+    curve = cluster.measured_sync_curve
+    size = np.asarray(size, dtype=np.float64)
+    if not curve:
+        return np.zeros(np.broadcast(np.asarray(gap), size).shape)
+    xs, ys = zip(*sorted(curve))
+    wait = np.interp(np.asarray(gap, dtype=np.float64), (0.0, *xs), (0.0, *nondecreasing(ys)))
+    return np.where(size > 1.0, wait, 0.0)
+
+
 def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
     """Seconds of `batch` GEMMs of [m x k] @ [k x n] at a large-GEMM rate of `rate` FLOP/s: tile and wave
     quantization over the GPU's SMs (none on a CPU), and never faster than its bytes at memory bandwidth. With a
@@ -81,6 +134,10 @@ def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
     rate = np.asarray(rate, dtype=np.float64)
     flops = 2.0 * m * n * k * batch
     curve = cluster.measured_matmul_curve
+    if cluster.measured_matmul_shapes:  # a CPU: by working set and intensity (shape_rate)
+        shapes = cluster.measured_matmul_shapes
+        best = max(p[3] for p in shapes)
+        return flops / (rate * shape_rate(m, n, k, shapes) / best)
     if curve:  # the measurement holds the tiles, waves, caches and memory traffic this shape meets
         best = max(y for _, y in curve)
         return flops / (rate * measured_curve(2.0 * m * n * k / (m * k + k * n + m * n), curve) / best)

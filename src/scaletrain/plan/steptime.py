@@ -13,6 +13,10 @@ FP8 (Workload.fp8, bf16 layouts only): the blocks' weight matmuls run at the GPU
 matmul ceiling (attention, the output layer and the loss stay bf16, as parallel/float8.py converts only the blocks'
 linears), plus the casts to fp8 as memory traffic; with tensorwise scaling FSDP all-gathers those weights in fp8,
 1 byte per element instead of 2 (comm.py's volumes scale with the bytes).
+CPU hosts with a calibration (docs/planner.md, "CPU ranks sharing cores"): every FSDP, DDP and TP collective also
+waits the measured extra of a collective amid compute for the compute gap before it; and where the ranks per host
+outnumber its cores, the step is max(critical path at an uncontended core's pace, the slowest rank's work), so the
+pipeline bubble costs only what the scheduler cannot fill with other ranks' work.
 """
 
 from __future__ import annotations
@@ -22,7 +26,13 @@ import numpy as np
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MemoryOptions, holds_unsharded_grads
 from scaletrain.plan.comm import collective_seconds, p2p_seconds
-from scaletrain.plan.efficiency import gemm_seconds, gpt_layer_seconds, llama_layer_seconds, memory_seconds
+from scaletrain.plan.efficiency import (
+    amid_compute_seconds,
+    gemm_seconds,
+    gpt_layer_seconds,
+    llama_layer_seconds,
+    memory_seconds,
+)
 from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
@@ -160,6 +170,9 @@ def time_breakdown(
     act_bytes = tok * args.dim * e
     tp_ops = layers * (8.0 + np.where(grid.ac == 2, 4.0, 0.0)) + 2.0
     tp_mb = tp_ops * collective_seconds("all_gather", act_bytes, tp, 1, cluster)
+    # CPU: each of them waits for the TP ranks to arrive after the compute between two of them
+    tp_wait_mb = tp_ops * amid_compute_seconds((compute_mb + recompute_mb) / tp_ops, tp, cluster)
+    tp_mb = tp_mb + tp_wait_mb
 
     # context parallel, as parallel/context_parallel.py's all-gather method sends it: per block one all-gather of K
     # and V of the whole sequence (KV heads, before the GQA repeat) in forward, one reduce-scatter of their
@@ -216,6 +229,16 @@ def time_breakdown(
     )
     # sharded accumulation reduces every micro-batch: the other m - 1 expose what backward cannot hide
     sharded = fsdp & ~holds_unsharded_grads(fsdp, grid.pp, grid.accumulation, options.fsdp_accumulate)
+    # CPU: each unit's gather waits for its group after one block's forward; in backward a gather and a reduction
+    # per block share one block's backward, and HSDP's all-reduce then meets other ranks (the replicas)
+    sync_fwd = amid_compute_seconds(layer_fwd, shard, cluster)
+    sync_bwd = amid_compute_seconds(layer_bwd / 2.0, shard, cluster)
+    sync_reduce = sync_bwd + amid_compute_seconds(layer_bwd / 2.0, dpr, cluster)
+    fsdp_wait_mb = np.where(
+        fsdp, units * sync_fwd + (units - 1.0) * sync_bwd + np.where(sharded, units * sync_reduce, 0.0), 0.0
+    )
+    fsdp_wait_last = np.where(fsdp & ~sharded, units * sync_reduce, 0.0)
+    fsdp_mb, fsdp_last = fsdp_mb + fsdp_wait_mb, fsdp_last + fsdp_wait_last
     fsdp_reduce_mb = np.where(
         sharded,
         np.maximum(0.0, gather_bwd + rs + hsdp_ar - bwd_compute) - np.maximum(0.0, gather_bwd - bwd_compute),
@@ -227,9 +250,10 @@ def time_breakdown(
         buckets - 1.0
     ) * collective_seconds("all_reduce", 0.0, dpr, tp * cp, cluster)
     tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
-    ddp_last = np.where(
-        ~fsdp & (grid.dp_replicate > 1), np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0
-    )
+    # CPU: each bucket waits for the replicas after its share of the last backward
+    ddp = ~fsdp & (grid.dp_replicate > 1)
+    ddp_wait = np.where(ddp, buckets * amid_compute_seconds((compute_mb - compute_mb / 3.0) / buckets, dpr, cluster), 0)
+    ddp_last = np.where(ddp, np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0) + ddp_wait
 
     # gradient accumulation: every micro-batch after a step's first adds its weight gradients into the accumulated
     # ones (autograd's AccumulateGrad `grad += new`; Megatron-LM's DDP hook `main_grad.add_(grad)`, fp32): read
@@ -252,7 +276,7 @@ def time_breakdown(
     ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)
     optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / bw
 
-    return {
+    lines = {
         "compute": m * compute_mb,
         "recompute": m * recompute_mb,
         "op dispatch": m * dispatch_mb,
@@ -263,6 +287,37 @@ def time_breakdown(
         "bubble": m * mb * ratio,
         "optimizer": optimizer,
     }
+    # the collective waits (CPU calibrations) by line, per step
+    waits = {"tp comm": m * tp_wait_mb, "dp comm exposed": m * fsdp_wait_mb + fsdp_wait_last + ddp_wait}
+    return share_cores(lines, waits, pp, cluster)
+
+
+def share_cores(lines: dict[str, np.ndarray], waits: dict[str, np.ndarray], pp, cluster: Cluster) -> dict:
+    """The lines of a step where a CPU host's ranks outnumber its cores (a calibration's host_cores; else as given).
+    They are per-rank seconds at the rates bench measured with every rank busy, each rank on cores / ranks of a
+    core. A work-conserving scheduler gives a waiting rank's core to ranks with work, so a rank's step is
+        step = max(lines x cores / ranks, work)
+    the first term its critical path at an uncontended core's pace, the second its own work, which cannot run
+    faster than its share while every rank has work. What a rank does not work is its bubble, and in a pipeline
+    also the waits of its collectives (`waits`, part of their lines): its stage waits on its own group while the
+    other stages, out of step in 1F1B, compute. Without a pipeline every rank runs the same program in step, and
+    the measured waits already hold what the scheduler fills. The time filled comes off the bubble first, then off
+    the waits. The slowest rank's work stands for every rank's: exact for balanced stages, an over-estimate
+    otherwise."""
+    ranks, cores = float(min(cluster.gpus, cluster.gpus_per_node)), cluster.host_cores
+    if cluster.gpu.name != "cpu" or not cores or ranks <= cores:
+        return lines
+    piped = np.asarray(pp) > 1
+    wait = np.where(piped, np.sum(list(waits.values()), axis=0), 0.0)
+    total = np.sum(list(lines.values()), axis=0)
+    step = np.maximum(total * cores / ranks, total - lines["bubble"] - wait)
+    filled = total - step
+    from_bubble = np.minimum(filled, lines["bubble"])
+    share = np.where(wait > 0, (filled - from_bubble) / np.maximum(wait, 1e-30), 0.0)
+    out = dict(lines, bubble=lines["bubble"] - from_bubble)
+    for k, v in waits.items():
+        out[k] = lines[k] - np.where(piped, share * v, 0.0)
+    return out
 
 
 def step_seconds(lines: dict[str, np.ndarray]) -> np.ndarray:
