@@ -152,3 +152,37 @@ def test_absurd_planner_input_is_one_line_exit_2(tmp_path, monkeypatch, args, fl
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"scaletrain: error: {flag}:"), result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lost_rendezvous_store_is_one_line_and_its_host_keeps_it_after_a_failure(tmp_path, monkeypatch):
+    """A node whose agent loses the store another node serves says so in one line (no elastic traceback); the node
+    serving it keeps it STORE_GRACE_S after a failed multi-node run, so the other agents see their own ranks end
+    first (the race behind a node reporting a lost connection instead of the refusal its ranks printed)."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    import scaletrain.launch.local as local
+    from scaletrain.config import load_config
+    from scaletrain.exit_codes import EXIT_FAILED
+
+    def lost(*args, **kwargs):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    launch_local = local.launch_local
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(local, "launch_local", lost)
+    result = CliRunner().invoke(main, ["train", "train.steps=1"])
+    assert result.exit_code == EXIT_FAILED, result.output
+    assert result.stderr.startswith("scaletrain: lost the rendezvous at 127.0.0.1:"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SCALETRAIN_NODE_ADDR", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(var, "x")  # launch_local sets them for its ranks; restored after the test
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", lambda *a: lost)
+    slept: list[float] = []
+    monkeypatch.setattr(local.time, "sleep", slept.append)
+    for nnodes, server, waits in ((2, object(), [local.STORE_GRACE_S]), (2, None, []), (1, object(), [])):
+        cfg = load_config(None, [f"launch.nnodes={nnodes}", "launch.rdzv_endpoint=127.0.0.1:29400"])
+        slept.clear()
+        with pytest.raises(RendezvousConnectionError):
+            launch_local(cfg, 2, local.LocalRendezvous("127.0.0.1:29400", "127.0.0.1", server))
+        assert slept == waits, (nnodes, server)

@@ -118,6 +118,7 @@ def train(
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     from scaletrain.launch.local import launch_local
     from scaletrain.monitor.rank_logs import failure_line, quiet_agent_failures
@@ -150,6 +151,14 @@ def train(
             err=True,
         )
         sys.exit(EXIT_REQUEUE)
+    except RendezvousError as e:
+        # another node's agent serves the rendezvous store; it went away (that node ended or is unreachable)
+        click.echo(
+            f"scaletrain: lost the rendezvous at {rdzv.endpoint} ({type(e).__name__}): the node serving it "
+            f"(launch.rdzv_endpoint) ended or became unreachable; its output says why; this node's ranks were stopped",
+            err=True,
+        )
+        sys.exit(EXIT_FAILED)
 
 
 def _node_overrides(nnodes: str | None, node_rank: int | None, rdzv_endpoint: str | None) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -61,6 +62,11 @@ def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
     return LocalRendezvous(f"{host}:{port}", listen_addr, server)
 
 
+# after a failed multi-node run, how long the node serving the rendezvous store keeps it for the other nodes' agents
+# (they poll it every monitor_interval, 0.2 s, and see their own ranks end within a few polls)
+STORE_GRACE_S = 5.0
+
+
 def run_id(cfg: JobConfig) -> str:
     """The rendezvous id: every node's agent must use the same one to meet (a random one per process never would)."""
     if cfg.launch.nnodes == 1:
@@ -109,6 +115,13 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     )
     try:
         results = elastic_launch(launch, run_from_dict)(cfg.model_dump())
+    except BaseException:
+        if rdzv.server is not None and cfg.launch.nnodes > 1:
+            # torch's agents wait for each other only after a success (the exit barrier): after a failure every
+            # other node's agent still polls this store until it sees its own ranks end; closing it at once made
+            # such an agent crash on the lost connection instead of reporting its ranks' one line
+            time.sleep(STORE_GRACE_S)
+        raise
     finally:
         rdzv.server = None  # the agent has left the rendezvous: close the store
     # rank 0's summary; another node's agent only has its own ranks' results
