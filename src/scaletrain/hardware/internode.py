@@ -11,14 +11,12 @@ intra-node rate, if that is slower). Node 0 writes the calibration with both set
 
 from __future__ import annotations
 
-import statistics
-import time
 from functools import partial
 
 import numpy as np
 import torch
 
-from scaletrain.hardware.bench import KIB, MIB
+from scaletrain.hardware.bench import KIB, MIB, _median_seconds
 
 INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
 SAMPLES = 5
@@ -34,18 +32,6 @@ def message_sizes(max_bytes: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in INTERNODE_BYTES if b < max_bytes} | {max_bytes}))
 
 
-def _seconds(fn, inner: int) -> float:
-    """Median seconds of one call of the collective `fn` over SAMPLES samples of `inner` calls (after a warm-up)."""
-    fn()
-    out = []
-    for _ in range(SAMPLES):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        out.append((time.perf_counter() - t0) / inner)
-    return statistics.median(out)
-
-
 def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") -> dict[str, list[tuple[int, float]]]:
     """One rank under the torchrun agent: all-reduce and all-gather over every rank of every node at each of
     `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The all-gather's bytes
@@ -56,6 +42,7 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
 
     rt = init_distributed(device_type, timeout_s=STORE_TIMEOUT_S)
     world, device = rt.world_size, rt.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # NCCL collectives return early
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     out: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": []}
     try:
@@ -69,7 +56,7 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
             ):
                 dist.barrier()
                 inner = min(5, max(1, MIB // nbytes))  # the same count on every rank
-                slowest = torch.tensor([_seconds(fn, inner)], dtype=torch.float64, device=device)
+                slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
                 out[kind].append((size, float(slowest.cpu())))
     finally:
