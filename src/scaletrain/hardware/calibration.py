@@ -142,6 +142,12 @@ def intensity(m: float, n: float, k: float) -> float:
     return 2.0 * m * n * k / (m * k + k * n + m * n)
 
 
+def _fits(ar_latency, ar_busbw, ag_latency, ag_busbw) -> tuple[tuple[str, float, float], ...]:
+    """(kind, latency per ring step, bus bandwidth) of the all-reduce and all-gather fits a calibration holds."""
+    pairs = (("all_reduce", ar_latency, ar_busbw), ("all_gather", ag_latency, ag_busbw))
+    return tuple((kind, lat, bw) for kind, lat, bw in pairs if bw and lat is not None)
+
+
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
     """The cluster with measured compute, memory and intra-node collective figures and curves in place of the
     datasheet's, and the inter-node collective figures where `scaletrain bench --nodes` measured them."""
@@ -150,21 +156,12 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
             f"--calibration: measured on {cal.device!r}, but the plan is for "
             f"{cluster.gpu.name!r}; use --gpu {cal.device} or drop --calibration"
         )
-    collectives = tuple(
-        (kind, lat, bw)
-        for kind, lat, bw in (
-            ("all_reduce", cal.allreduce_latency_s, cal.allreduce_busbw),
-            ("all_gather", cal.allgather_latency_s, cal.allgather_busbw),
-        )
-        if bw and lat is not None
-    )
-    internode = tuple(
-        (kind, lat, bw)
-        for kind, lat, bw in (
-            ("all_reduce", cal.internode_allreduce_latency_s, cal.internode_allreduce_busbw),
-            ("all_gather", cal.internode_allgather_latency_s, cal.internode_allgather_busbw),
-        )
-        if bw and lat is not None
+    collectives = _fits(cal.allreduce_latency_s, cal.allreduce_busbw, cal.allgather_latency_s, cal.allgather_busbw)
+    internode = _fits(
+        cal.internode_allreduce_latency_s,
+        cal.internode_allreduce_busbw,
+        cal.internode_allgather_latency_s,
+        cal.internode_allgather_busbw,
     )
     # bench records the cores only on a CPU host: there, GEMMs are costed by shape (cache, plan/efficiency.py) and a
     # collective amid compute pays the measured extra wait
