@@ -185,6 +185,7 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "all-reduce busbw" in p.stdout and "all-gather" in p.stdout and "per dispatched op" in p.stdout
+    from scaletrain.hardware.bench import ATTENTION_POINTS
     from scaletrain.hardware.calibration import load_calibration
 
     measured = load_calibration(cal)
@@ -195,6 +196,11 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     assert measured.allreduce_latency_s is not None and measured.allgather_busbw > 0
     # a CPU host: its usable cores and the wait of a collective amid compute at each measured gap
     assert measured.host_cores >= 1 and len(measured.collective_amid_compute) == 4 and "cores" in p.stdout
+    # causal attention forward + backward at every (seq, head dim) point, and a real step measured op by op: its
+    # GEMMs by shape, its attention at the model's sequence and head dim, its memory-bound ops' bandwidth
+    assert [(s, d) for s, d, _ in measured.attention] == [tuple(map(float, p)) for p in ATTENTION_POINTS["cpu"]]
+    assert len(measured.step_matmul) >= 7 and [(s, d) for s, d, _ in measured.step_attention] == [(256.0, 32.0)]
+    assert measured.step_pointwise_bw > 0 and "attention" in p.stdout and "memory-bound ops" in p.stdout
     r = run(
         [
             "plan",

@@ -299,3 +299,29 @@ def test_dispatch_overhead_is_paid_per_micro_batch_on_cpu_and_hidden_on_big_gpu_
         Workload("tiny", preset_spec("tiny").shape(), 64, 8), h100, Layout(8, 1, 1, 1, 1, 1, 1, "none", "bf16", "none")
     )
     assert big.time["op dispatch"] == 0.0 and small.time["op dispatch"] > 0.0
+
+
+@pytest.mark.parametrize("dim,ffn", [(128, 352), (256, 352), (128, 704)])
+def test_pointwise_bytes_per_block_are_what_the_built_block_moves(dim, ffn):
+    """The planner's memory-bound elements per token of one block (steptime.POINTWISE_*): every op but GEMMs,
+    attention kernels and views, its tensors in and out, counted op by op as bench's step_profile counts them."""
+    import dataclasses
+
+    from scaletrain.hardware.bench import step_profile
+    from scaletrain.models import preset_spec
+    from scaletrain.models.llama.model import Llama
+    from scaletrain.plan.steptime import POINTWISE_BWD_FFN, POINTWISE_BWD_H, POINTWISE_FWD_FFN, POINTWISE_FWD_H
+
+    args = dataclasses.replace(preset_spec("tiny").shape(), dim=dim, ffn_dim=ffn, n_layers=1)
+    model = Llama(args)
+    block, tokens = model.layers["0"], 2 * 64
+    x = torch.randn(2, 64, dim, requires_grad=True)
+    held = {}
+
+    def forward():
+        held["out"] = block(x, model.rope_cos, model.rope_sin)
+
+    fwd = step_profile(forward, 1)["pointwise"][0] / tokens / 4
+    bwd = step_profile(lambda: held["out"].backward(torch.ones_like(held["out"])), 1)["pointwise"][0] / tokens / 4
+    assert fwd == pytest.approx(POINTWISE_FWD_H * dim + POINTWISE_FWD_FFN * ffn, rel=0.02)
+    assert bwd == pytest.approx(POINTWISE_BWD_H * dim + POINTWISE_BWD_FFN * ffn, rel=0.02)

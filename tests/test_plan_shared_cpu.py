@@ -106,7 +106,7 @@ def test_bubble_and_pipeline_waits_are_filled_when_ranks_outnumber_cores():
         assert b.time["bubble"] > 0 and a.time["bubble"] < b.time["bubble"]
         assert a.step_s < b.step_s and a.step_s == pytest.approx(sum(a.time[k] for k in TIME_LINES))
     # 16 micro-batches on 4 stages: the bubble (3/16 of the work) fits in the cores the others leave
-    assert evaluate_layout(WORK, shared, PP4).time["bubble"] == 0.0
+    assert evaluate_layout(WORK, shared, PP4).time["bubble"] == pytest.approx(0.0, abs=1e-12)
     # without a pipeline nothing changes: every rank syncs in step, the measured wait already holds the scheduler
     for layout in (DDP4, FSDP4):
         assert evaluate_layout(WORK, shared, layout).time == evaluate_layout(WORK, own, layout).time
@@ -130,3 +130,55 @@ def test_a_scattered_wait_curve_is_read_through_its_nondecreasing_fit():
     assert nondecreasing([1.0, 3.0, 2.0, 4.0, 0.0]) == pytest.approx([1.0, 2.25, 2.25, 2.25, 2.25])
     c = cluster(dataclasses.replace(calibration(), collective_amid_compute=((0.01, 0.004), (0.1, 1e-9))))
     assert amid_compute_seconds(0.1, 4, c) == pytest.approx(0.002)  # the large-gap sample fell to noise
+
+
+def test_attention_and_a_real_steps_kernels_come_from_the_measurement():
+    """bench's attention curve prices the attention core; what a real step's GEMMs and attention achieved (bench's
+    step_profile) scales the curves; the memory-bound ops run at the bandwidth measured inside that step."""
+    from scaletrain.plan.efficiency import attention_seconds, in_step_factors, pointwise_seconds
+
+    attention = ((128.0, 32.0, 5e9), (1024.0, 32.0, 10e9), (128.0, 128.0, 8e9), (1024.0, 128.0, 16e9))
+    measured = dataclasses.replace(calibration(), attention=attention)
+    c = cluster(measured)
+    # a measured point at its own rate: 3 x 2 s^2 d FLOPs per head, a third of the time in forward
+    fwd, bwd = attention_seconds(1024.0, 32.0, 8.0, c)
+    assert fwd + bwd == pytest.approx(6.0 * 1024**2 * 32 * 8 / 10e9) and bwd == pytest.approx(2 * fwd)
+    # between the points: between their rates
+    fwd, bwd = attention_seconds(256.0, 64.0, 1.0, c)
+    assert 5e9 < 6.0 * 256**2 * 64 / (fwd + bwd) < 16e9
+    assert in_step_factors(c) == (1.0, 1.0) and attention_seconds(256.0, 64.0, 1.0, cluster(calibration())) is None
+    # in the step its GEMMs ran at half the curve's rate and its attention at a quarter: the planner follows
+    shapes = ((1024.0, 352.0, 128.0), (352.0, 128.0, 1024.0), (256.0, 256.0, 256.0))
+    step = dataclasses.replace(
+        measured,
+        step_matmul=tuple((m, n, k, float(shape_rate(m, n, k, c.measured_matmul_shapes)) / 2) for m, n, k in shapes),
+        step_attention=((256.0, 32.0, float(6 * 256**2 * 32 / sum(attention_seconds(256.0, 32.0, 1.0, c))) / 4),),
+        step_pointwise_bw=2e9,
+    )
+    s = cluster(step)
+    assert in_step_factors(s) == pytest.approx((2.0, 4.0))
+    assert gemm_seconds(1024, 352, 128, 40e9, s, 4.0) == pytest.approx(2 * gemm_seconds(1024, 352, 128, 40e9, c, 4.0))
+    assert sum(attention_seconds(512.0, 64.0, 2.0, s)) == pytest.approx(4 * sum(attention_seconds(512.0, 64.0, 2.0, c)))
+    assert pointwise_seconds(1e9, 1e6, s) == pytest.approx(0.5)  # 1 GB at the step's 2 GB/s, whatever the kernel
+    assert pointwise_seconds(1e9, 1e6, c) == pytest.approx(0.1)  # else the copy curve's 10 GB/s
+    # and the step as a whole: slower by exactly what the measurement says, every line else unchanged
+    a, b = evaluate_layout(WORK, c, DDP4), evaluate_layout(WORK, s, DDP4)
+    assert b.time["compute"] > 2 * a.time["compute"] and b.time["optimizer"] == a.time["optimizer"]
+    # a GPU calibration (no cores) keeps no in-step figures
+    assert cluster(dataclasses.replace(step, host_cores=None)).measured_step_pointwise_bw is None
+
+
+def test_calibration_round_trips_the_attention_and_step_figures(tmp_path):
+    cal = dataclasses.replace(
+        calibration(),
+        attention=((128.0, 32.0, 5e9), (512.0, 64.0, 7e9)),
+        step_matmul=((1024.0, 352.0, 128.0, 3e10),),
+        step_attention=((256.0, 32.0, 2e9),),
+        step_pointwise_bw=8e9,
+    )
+    path = tmp_path / "cal.toml"
+    save_calibration(cal, path)
+    assert load_calibration(path) == cal
+    path.write_text(path.read_text().replace("step_pointwise_bw = 8000000000.0", "step_pointwise_bw = -1"))
+    with pytest.raises(CalibrationError, match="step_pointwise_bw: must be a positive number"):
+        load_calibration(path)

@@ -604,8 +604,9 @@ def _pinned_options(opts, pins):
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
 def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> None:
     """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
-    host time per dispatched op, all-reduce and all-gather latency + bandwidth between local ranks (on a CPU also
-    its usable cores and a collective's extra wait amid compute); write a calibration TOML for
+    causal attention forward + backward at several sequence lengths and head dims, host time per dispatched op,
+    all-reduce and all-gather latency + bandwidth between local ranks (on a CPU also its usable cores, a
+    collective's extra wait amid compute, and a real training step timed op by op); write a calibration TOML for
     `scaletrain plan --calibration FILE`. With `--nodes N --node-rank K --rdzv-endpoint HOST:PORT` on each of N
     nodes, also across the nodes (the planner prices collectives spanning nodes with it)."""
     from scaletrain.hardware.bench import run_bench
@@ -652,8 +653,19 @@ def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> 
         f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
         f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
         f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
-        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op; {comm}{_sharing(cal)} -> {output}"
+        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op{_attention(cal)}; {comm}{_sharing(cal)} -> {output}"
     )
+
+
+def _attention(cal) -> str:
+    """The attention curve's range, and what a real step achieved (CPU), for bench's summary line."""
+    if not cal.attention:
+        return ""
+    lo, hi = min(cal.attention, key=lambda p: p[2]), max(cal.attention, key=lambda p: p[2])
+    out = f", attention {lo[2] / 1e9:,.1f}-{hi[2] / 1e9:,.1f} GFLOP/s (seq {int(lo[0])}-{int(hi[0])})"
+    if cal.step_pointwise_bw:
+        out += f"; in a real step: memory-bound ops {cal.step_pointwise_bw / 1e9:,.1f} GB/s"
+    return out
 
 
 def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):

@@ -45,6 +45,16 @@ ROUNDS = 7
 # (a compute shorter than a time slice runs at a whole core's pace); the file records the gap as measured
 SYNC_MATMULS = (2, 8, 32, 96)
 SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
+# causal attention (scaled_dot_product_attention, forward + backward) measured at these (sequence length, head dim)
+# points: one sequence of ATTENTION_HEADS heads on a CPU, four on a GPU
+ATTENTION_POINTS = {
+    "cpu": ((128, 32), (128, 128), (512, 32), (512, 128), (1024, 32)),
+    "cuda": tuple((s, d) for s in (512, 2048, 8192) for d in (64, 128)),
+}
+ATTENTION_HEADS = 4
+# the step measured op by op on a CPU (step_profile): the built-in `tiny` model on STEP_BATCH x STEP_SEQ tokens, a
+# training step's activations (a few MB per tensor), STEP_REPEATS times after a warm-up
+STEP_BATCH, STEP_SEQ, STEP_REPEATS = 4, 256, 3
 
 
 def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
@@ -149,6 +159,88 @@ def _sync_extra_seconds(world: int, barrier, all_gather) -> list[tuple[float, fl
     return points
 
 
+def attention_flops(seq: int, head_dim: int, heads: int = 1) -> float:
+    """FLOPs of causal attention's forward + backward, by the planner's convention (plan/efficiency.py): forward
+    QK^T and AV on half the s x s scores, 2 s^2 d per head; backward twice the forward."""
+    return 3.0 * 2.0 * seq * seq * head_dim * heads
+
+
+def attention_step(seq: int, head_dim: int, batch: int, dtype: torch.dtype, device: str):
+    """Forward + backward of causal scaled_dot_product_attention on `batch` sequences of ATTENTION_HEADS heads."""
+    import torch.nn.functional as F
+
+    q, k, v = (
+        torch.randn(batch, ATTENTION_HEADS, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn(batch, ATTENTION_HEADS, seq, head_dim, dtype=dtype, device=device)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+# ATen ops that move no data (views, metadata): neither timed as kernels nor counted as bytes
+VIEW_OPS = frozenset(
+    "view _unsafe_view reshape t transpose expand as_strided slice select unsqueeze squeeze permute detach alias "
+    "split split_with_sizes unbind empty empty_like empty_strided lift_fresh _reshape_alias _fused_sdp_choice".split()
+)
+GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+
+
+def step_profile(fn, repeats: int) -> dict:
+    """One rank's kernels in `fn`, op by op (a TorchDispatchMode timing every ATen op it dispatches; a CPU runs them
+    synchronously), per call of `fn`: its GEMMs by shape {(m, n, k): [FLOPs, seconds]}, its causal attention by
+    shape {(seq, head_dim): [FLOPs, seconds]} (forward kernels a third of attention_flops, backward two thirds), and
+    the memory-bound rest (norms, activations, RoPE, adds, the loss) as [bytes its tensors hold in and out, seconds]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemm: dict[tuple[int, ...], list[float]] = {}
+    attention: dict[tuple[int, ...], list[float]] = {}
+    rest = [0.0, 0.0]
+
+    def add(table, key, flops, dt) -> None:
+        entry = table.setdefault(key, [0.0, 0.0])
+        entry[0] += flops / repeats
+        entry[1] += dt / repeats
+
+    class _Timed(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            dt = time.perf_counter() - t0
+            name = func.overloadpacket.__name__
+            if name in VIEW_OPS:
+                return out
+            if name in GEMM_OPS:
+                a, b = args[-2], args[-1]  # (bias,) a, b; batched: (batch, m, k) @ (batch, k, n)
+                m, n, k = a.shape[-2], b.shape[-1], a.shape[-1]
+                add(gemm, (m, n, k), 2.0 * m * n * k * (a.shape[0] if a.dim() == 3 else 1), dt)
+            elif "scaled_dot_product" in name:
+                q = args[0]  # forward: the query, backward: the output's gradient, both (batch, heads, seq, dim)
+                share = 2.0 / 3.0 if "backward" in name else 1.0 / 3.0
+                add(
+                    attention,
+                    (q.shape[-2], q.shape[-1]),
+                    share * attention_flops(q.shape[-2], q.shape[-1], q.shape[0] * q.shape[1]),
+                    dt,
+                )
+            else:
+                tensors = [
+                    t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+                ]
+                rest[0] += sum(t.numel() * t.element_size() for t in tensors) / repeats
+                rest[1] += dt / repeats
+            return out
+
+    with _Timed():
+        for _ in range(repeats):
+            fn()
+    return {"gemm": gemm, "attention": attention, "pointwise": rest}
+
+
 def count_dispatched_ops(fn) -> int:
     """Number of ATen ops `fn()` dispatches (forward and autograd's backward alike), counted by a
     TorchDispatchMode."""
@@ -166,10 +258,10 @@ def count_dispatched_ops(fn) -> int:
     return counter.n
 
 
-def tiny_model_step(device: str = "cpu"):
-    """(step, ops): forward + backward of the built-in `tiny` model on 8 tokens, where the kernels are too small to
-    matter, and the ops it dispatches; its seconds / ops is the host time per dispatched op (the planner's
-    OPS_PER_BLOCK count)."""
+def tiny_model_step(device: str = "cpu", batch: int = 1, seq: int = 8):
+    """(step, ops): forward + backward of the built-in `tiny` model on batch x seq tokens, and the ops it
+    dispatches. On 8 tokens the kernels are too small to matter: its seconds / ops is the host time per dispatched
+    op (the planner's OPS_PER_BLOCK count)."""
     import torch.nn.functional as F
 
     from scaletrain.models import preset_spec
@@ -177,7 +269,7 @@ def tiny_model_step(device: str = "cpu"):
     spec = preset_spec("tiny")
     model = spec.build("meta").to_empty(device=device)
     spec.init_weights(model, seed=0)
-    tokens = torch.randint(0, spec.vocab_size, (1, 8), device=device)
+    tokens = torch.randint(0, spec.vocab_size, (batch, seq), device=device)
 
     def step() -> None:
         logits = model(tokens)
@@ -212,10 +304,22 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     barrier = dist.barrier if port is not None else (lambda: None)
     computes = plan.compute and (not plan.gpu_compute or nccl or rank == 0)
-    res: dict[str, list] = {"matmul": [], "copy": [], "op": [], "all_reduce": [], "all_gather": [], "sync": []}
+    res: dict[str, list] = {
+        "matmul": [],
+        "copy": [],
+        "attention": [],
+        "op": [],
+        "all_reduce": [],
+        "all_gather": [],
+        "sync": [],
+        "step": [],
+    }
     try:
+        kind = "cuda" if plan.gpu_compute else "cpu"
         shapes = matmul_shapes(plan.matmul_n) if computes else []
-        sizes = COPY_BYTES["cuda" if plan.gpu_compute else "cpu"] if computes else ()
+        sizes = COPY_BYTES[kind] if computes else ()
+        attention = ATTENTION_POINTS[kind] if computes else ()
+        attention_batch = 1 if kind == "cpu" else 4
         fns, ops = [], 1
         for m, n, k in shapes:
             a = torch.randn(m, k, dtype=plan.dtype, device=device)
@@ -223,6 +327,8 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         for nbytes in sizes:
             src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
             fns.append(partial(torch.empty_like(src).copy_, src))
+        for seq, head_dim in attention:
+            fns.append(attention_step(seq, head_dim, attention_batch, plan.dtype, device))
         if computes:
             step, ops = tiny_model_step(device)
             fns.append(step)
@@ -231,7 +337,16 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         seconds = _interleaved_seconds(fns, sync, barrier, agree) if plan.compute else []
         res["matmul"] = [(m, n, k, 2.0 * m * n * k / t) for (m, n, k), t in zip(shapes, seconds)]
         res["copy"] = [(b, 2.0 * b / t) for b, t in zip(sizes, seconds[len(shapes) :])]
-        res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) :]]
+        at = seconds[len(shapes) + len(sizes) :]
+        res["attention"] = [
+            (s, d, attention_flops(s, d, attention_batch * ATTENTION_HEADS) / t) for (s, d), t in zip(attention, at)
+        ]
+        res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) + len(attention) :]]
+        if computes and kind == "cpu":  # a real step op by op (a GPU would need a sync around every op)
+            step, _ = tiny_model_step(device, STEP_BATCH, STEP_SEQ)
+            step()
+            barrier()  # every rank at once, sharing the cores as in training
+            res["step"] = [step_profile(step, STEP_REPEATS)]
         if port is not None:
             cdev = device if nccl else "cpu"
             # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
@@ -345,7 +460,8 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         # each point: the shape, and the mean over the computing ranks of what each got
         return tuple((*pts[0][:keys], statistics.fmean(p[keys] for p in pts)) for pts in zip(*(r[name] for r in ranks)))
 
-    matmul, copy = mean_curve("matmul", 3), mean_curve("copy", 1)
+    matmul, copy, attention = mean_curve("matmul", 3), mean_curve("copy", 1), mean_curve("attention", 2)
+    step = _step_figures([r["step"][0] for r in ranks if r["step"]])
     fits: dict[str, tuple[float, float] | tuple[None, None]] = {"all_reduce": (None, None), "all_gather": (None, None)}
     if nproc > 1:
         n = float(nproc)
@@ -376,4 +492,26 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         all_gather=tuple(results[0]["all_gather"]),
         host_cores=None if on_gpu else _usable_cores(),
         collective_amid_compute=sync,
+        attention=attention,
+        **step,
     )
+
+
+def _step_figures(profiles: list[dict]) -> dict:
+    """Calibration fields from each rank's step_profile (the mean over ranks): in-step GEMM rates by shape, in-step
+    attention rates, and the bandwidth of the memory-bound rest. None measured: no fields."""
+    if not profiles:
+        return {}
+
+    def rates(name: str) -> tuple[tuple[float, ...], ...]:
+        return tuple(
+            (*key, statistics.fmean(p[name][key][0] / p[name][key][1] for p in profiles))
+            for key in sorted(profiles[0][name])
+        )
+
+    nbytes, seconds = (statistics.fmean(p["pointwise"][i] for p in profiles) for i in (0, 1))
+    return {
+        "step_matmul": rates("gemm"),
+        "step_attention": rates("attention"),
+        "step_pointwise_bw": nbytes / seconds if seconds > 0 else None,
+    }

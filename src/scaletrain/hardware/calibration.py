@@ -34,6 +34,11 @@ POINT_KEYS: dict[str, tuple[str, ...]] = {
     "internode_all_gather": ("bytes", "seconds"),
     # CPU: seconds of compute between two collectives, and what one all-gather then costs beyond it and its own time
     "collective_amid_compute": ("gap_s", "extra_s"),
+    # causal scaled_dot_product_attention, forward + backward, at `flops` FLOP/s (3 x the forward's 2 s^2 d per head)
+    "attention": ("seq", "head_dim", "flops"),
+    # CPU: measured op by op inside a real training step (bench's step_profile): its GEMMs and its attention
+    "step_matmul": ("m", "n", "k", "flops"),
+    "step_attention": ("seq", "head_dim", "flops"),
 }
 
 
@@ -71,6 +76,14 @@ class Calibration:
     # (os.sched_getaffinity), and the extra wait of a collective amid compute over `ranks` ranks (POINT_KEYS)
     host_cores: int | None = None
     collective_amid_compute: tuple[tuple[float, ...], ...] = ()
+    # causal attention forward + backward (POINT_KEYS); files written before it: empty
+    attention: tuple[tuple[float, ...], ...] = ()
+    # CPU: one real forward + backward of the built-in model measured op by op (hardware/bench.py step_profile):
+    # what its GEMMs and attention achieved there (cold operands, fresh outputs, cores shared as in training), and
+    # the bytes/s of its memory-bound ops (norms, activations, RoPE, residual adds, the loss)
+    step_matmul: tuple[tuple[float, ...], ...] = ()
+    step_attention: tuple[tuple[float, ...], ...] = ()
+    step_pointwise_bw: float | None = None
 
     def to_toml(self) -> str:
         body = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in POINT_KEYS} | {
@@ -125,7 +138,7 @@ def load_calibration(path: str | Path) -> Calibration:
         raise CalibrationError(f"{where}: {missing[0]}: missing; rerun `scaletrain bench`")
     figures = ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s", "allreduce_latency_s")
     internode = ("nodes", *(f"internode_{c}_{f}" for c in ("allreduce", "allgather") for f in ("busbw", "latency_s")))
-    for key in (*figures, "allgather_busbw", "allgather_latency_s", *internode):
+    for key in (*figures, "allgather_busbw", "allgather_latency_s", "step_pointwise_bw", *internode):
         if key in tree and not _positive(tree[key]) and not (key.endswith("latency_s") and tree[key] == 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
     cores = tree.get("host_cores")
@@ -180,5 +193,9 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         measured_copy_curve=tuple((2.0 * b, bw) for b, bw in cal.copy) or None,
         measured_collectives=collectives or None,
         measured_inter_collectives=internode or None,
+        measured_attention=tuple((sq, d, f) for sq, d, f in cal.attention) or None,
+        measured_step_matmul=tuple((m, n, k, f) for m, n, k, f in cal.step_matmul) if cpu and cal.step_matmul else None,
+        measured_step_attention=tuple((sq, d, f) for sq, d, f in cal.step_attention) or None,
+        measured_step_pointwise_bw=cal.step_pointwise_bw if cpu else None,
         calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)",
     )

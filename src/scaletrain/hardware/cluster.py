@@ -118,6 +118,13 @@ class Cluster:
     # (collective kind, latency per ring step in s, bus bandwidth in bytes/s) of one ring over every rank of
     # several nodes, measured by `scaletrain bench --nodes` (plan/comm.py prices groups that span nodes with it)
     measured_inter_collectives: tuple[tuple[str, float, float], ...] | None = None
+    # causal attention forward + backward, (sequence length, head dim, FLOP/s) measured by `scaletrain bench`
+    measured_attention: tuple[tuple[float, float, float], ...] | None = None
+    # CPU: a real step measured op by op by bench: its GEMMs (m, n, k, FLOP/s), its attention (seq, head dim,
+    # FLOP/s) and the bytes/s of its memory-bound ops (plan/efficiency.py scales the curves to them)
+    measured_step_matmul: tuple[tuple[float, float, float, float], ...] | None = None
+    measured_step_attention: tuple[tuple[float, float, float], ...] | None = None
+    measured_step_pointwise_bw: float | None = None
 
     @property
     def nodes(self) -> int:

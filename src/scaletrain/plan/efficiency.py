@@ -80,23 +80,64 @@ def memory_seconds(nbytes, cluster: Cluster, per_kernel_bytes=None):
     return nbytes / (cluster.memory_bw * eff)
 
 
+def nearest_rates(query, points, rates) -> np.ndarray:
+    """Rates at `query` features from measured `points` (same features, last axis) and their `rates`: inverse-
+    square-distance weights in feature space, geometric mean of the rates (a measured point gets its own rate;
+    never outside the measured range)."""
+    q = np.stack([np.asarray(x, dtype=np.float64) for x in query], axis=-1)
+    p = np.asarray(points, dtype=np.float64)
+    d2 = np.sum((q[..., None, :] - p) ** 2, axis=-1)
+    w = 1.0 / np.maximum(d2, 1e-12)
+    return np.exp(np.sum(w * np.log(np.asarray(rates, dtype=np.float64)), axis=-1) / np.sum(w, axis=-1))
+
+
+def _gemm_features(m, n, k):
+    ws = m * k + k * n + m * n
+    return np.log(ws), np.log(2.0 * m * n * k / ws)
+
+
 def shape_rate(m, n, k, shapes) -> np.ndarray:
-    """FLOP/s of [m x k] @ [k x n] GEMMs from measured (m, n, k, FLOP/s) shapes: inverse-square-distance weights in
-    (log working set mk + kn + mn, log intensity) space, geometric mean of the rates (a measured shape gets its own
-    rate; never outside the measured range)."""
+    """FLOP/s of [m x k] @ [k x n] GEMMs from measured (m, n, k, FLOP/s) shapes, nearest in (log working set
+    mk + kn + mn, log intensity) space (nearest_rates)."""
     m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
     pts = np.asarray(shapes, dtype=np.float64)
-    pm, pn, pk, rates = pts[:, 0], pts[:, 1], pts[:, 2], pts[:, 3]
+    return nearest_rates(_gemm_features(m, n, k), np.stack(_gemm_features(*pts[:, :3].T), axis=-1), pts[:, 3])
 
-    def feats(m, n, k):
-        ws = m * k + k * n + m * n
-        return np.log(ws), np.log(2.0 * m * n * k / ws)
 
-    qa, qb = feats(m, n, k)
-    pa, pb = feats(pm, pn, pk)
-    d2 = (qa[..., None] - pa) ** 2 + (qb[..., None] - pb) ** 2
-    w = 1.0 / np.maximum(d2, 1e-12)
-    return np.exp(np.sum(w * np.log(rates), axis=-1) / np.sum(w, axis=-1))
+def attention_rate(seq, head_dim, points) -> np.ndarray:
+    """FLOP/s of causal attention forward + backward from measured (seq, head dim, FLOP/s) points, nearest in
+    (log seq, log head dim) space (nearest_rates)."""
+    pts = np.asarray(points, dtype=np.float64)
+    return nearest_rates((np.log(seq), np.log(head_dim)), np.log(pts[:, :2]), pts[:, 2])
+
+
+def in_step_factors(cluster: Cluster) -> tuple[float, float]:
+    """(GEMM, attention) seconds a real training step measured (bench's step_profile, CPU) over what the curves
+    give for the same GEMMs and attention: cold operands, fresh outputs and the cores shared over a whole step,
+    which the curves' short, cache-warm samples do not see. 1.0 where not measured."""
+    mm, att = 1.0, 1.0
+    step, shapes = cluster.measured_step_matmul, cluster.measured_matmul_shapes
+    if step and shapes:
+        pts = np.asarray(step, dtype=np.float64)
+        flops = 2.0 * pts[:, 0] * pts[:, 1] * pts[:, 2]
+        mm = float(np.sum(flops / pts[:, 3]) / np.sum(flops / shape_rate(pts[:, 0], pts[:, 1], pts[:, 2], shapes)))
+    if cluster.measured_step_attention and cluster.measured_attention:
+        pts = np.asarray(cluster.measured_step_attention, dtype=np.float64)
+        flops = pts[:, 0] ** 2 * pts[:, 1]  # the per-head FLOPs' shape; the constant cancels
+        curve = attention_rate(pts[:, 0], pts[:, 1], cluster.measured_attention)
+        att = float(np.sum(flops / pts[:, 2]) / np.sum(flops / curve))
+    return mm, att
+
+
+def attention_seconds(seq, head_dim, heads, cluster: Cluster):
+    """(forward, backward) seconds of causal attention on `heads` (sequences x local heads) of `seq` x `head_dim`
+    at the rate bench measured for that shape (None without a measured curve): 3 x the forward's 2 s^2 d FLOPs per
+    head, a third of the time in forward, scaled by the in-step attention factor on a CPU."""
+    if not cluster.measured_attention:
+        return None
+    flops = 6.0 * np.asarray(seq, dtype=np.float64) ** 2 * head_dim * np.asarray(heads, dtype=np.float64)
+    total = flops / attention_rate(seq, head_dim, cluster.measured_attention) * in_step_factors(cluster)[1]
+    return total / 3.0, 2.0 * total / 3.0
 
 
 def nondecreasing(ys) -> list[float]:
@@ -134,10 +175,10 @@ def gemm_seconds(m, n, k, rate, cluster: Cluster, elem_bytes, batch=1.0):
     rate = np.asarray(rate, dtype=np.float64)
     flops = 2.0 * m * n * k * batch
     curve = cluster.measured_matmul_curve
-    if cluster.measured_matmul_shapes:  # a CPU: by working set and intensity (shape_rate)
+    if cluster.measured_matmul_shapes:  # a CPU: by working set and intensity (shape_rate), as in a real step
         shapes = cluster.measured_matmul_shapes
         best = max(p[3] for p in shapes)
-        return flops / (rate * shape_rate(m, n, k, shapes) / best)
+        return flops / (rate * shape_rate(m, n, k, shapes) / best) * in_step_factors(cluster)[0]
     if curve:  # the measurement holds the tiles, waves, caches and memory traffic this shape meets
         best = max(y for _, y in curve)
         return flops / (rate * measured_curve(2.0 * m * n * k / (m * k + k * n + m * n), curve) / best)
@@ -210,12 +251,21 @@ def gpt_layer_seconds(args, tokens, seq_len, tp, rate, cluster: Cluster, elem_by
 LLAMA_KERNEL_ACTIVATIONS = 3.0
 
 
+def pointwise_seconds(nbytes, kernel_bytes, cluster: Cluster):
+    """Seconds of memory-bound kernels moving `nbytes` in kernels of `kernel_bytes`: at the bandwidth bench
+    measured for them inside a real step (a CPU calibration), else at the copy curve's for their size."""
+    if cluster.measured_step_pointwise_bw:
+        return np.asarray(nbytes, dtype=np.float64) / cluster.measured_step_pointwise_bw
+    return memory_seconds(nbytes, cluster, kernel_bytes)
+
+
 def llama_layer_seconds(args, tokens, seq_len, tp, rate, attn_rate, pointwise_bytes, cluster: Cluster, elem_bytes):
     """(forward, backward, pointwise forward) seconds of one Llama block on one tensor-parallel rank for `tokens`
     tokens, each GEMM at the rate measured for its shape (a calibrated cluster): q/k/v/o, gate/up/down, and the
-    attention core as (sequences x local heads) GEMMs of s x s x head_dim at `attn_rate` (causal: half the
-    square, plan/shapes.py); pointwise ops stream `pointwise_bytes` in kernels of LLAMA_KERNEL_ACTIVATIONS
-    activations. Backward: the two GEMMs of each linear, twice the attention core and the pointwise bytes."""
+    attention core at the measured attention curve's rate (else as (sequences x local heads) GEMMs of s x s x
+    head_dim at `attn_rate`; causal: half the square, plan/shapes.py); pointwise ops stream `pointwise_bytes`
+    (forward, backward) in kernels of LLAMA_KERNEL_ACTIVATIONS activations. Backward: the two GEMMs of each
+    linear, twice the attention core."""
     h, f, d = float(args.dim), float(args.ffn_dim), float(args.head_dim)
     q, kv = args.n_heads * d, args.n_kv_heads * d
     tp = np.asarray(tp, dtype=np.float64)
@@ -228,8 +278,14 @@ def llama_layer_seconds(args, tokens, seq_len, tp, rate, attn_rate, pointwise_by
         fwd, bwd = fwd + lf, bwd + lb
     heads = tokens / seq_len * args.n_heads / tp
     s = float(seq_len)
-    core = 0.5 * (
-        gemm_seconds(s, s, d, attn_rate, cluster, e, heads) + gemm_seconds(s, d, s, attn_rate, cluster, e, heads)
-    )
-    point = memory_seconds(pointwise_bytes, cluster, LLAMA_KERNEL_ACTIVATIONS * tokens * h * e / tp)
-    return fwd + core + point, bwd + 2.0 * core + 2.0 * point, point
+    measured = attention_seconds(s, d, heads, cluster)
+    if measured is not None:
+        core_fwd, core_bwd = measured
+    else:
+        core_fwd = 0.5 * (
+            gemm_seconds(s, s, d, attn_rate, cluster, e, heads) + gemm_seconds(s, d, s, attn_rate, cluster, e, heads)
+        )
+        core_bwd = 2.0 * core_fwd
+    kernel = LLAMA_KERNEL_ACTIVATIONS * tokens * h * e / tp
+    point_fwd, point_bwd = (pointwise_seconds(b, kernel, cluster) for b in pointwise_bytes)
+    return fwd + core_fwd + point_fwd, bwd + core_bwd + point_bwd, point_fwd

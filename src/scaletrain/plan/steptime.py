@@ -32,6 +32,7 @@ from scaletrain.plan.efficiency import (
     gpt_layer_seconds,
     llama_layer_seconds,
     memory_seconds,
+    pointwise_seconds,
 )
 from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
 from scaletrain.plan.layout import LayoutGrid, Workload
@@ -44,10 +45,13 @@ from scaletrain.plan.shapes import (
     layout_columns,
 )
 
-# unconfirmed estimate: elements read + written by one block's pointwise ops per token in forward, counted from
-# the eager block's code: norms 4h, residual adds 6h, RoPE in fp32 ~22h, KV repeat ~3h, reshapes 2h; SiLU and
-# gating 5 x ffn
-POINTWISE_ELEMENTS_H, POINTWISE_ELEMENTS_FFN = 40.0, 6.0
+# elements read + written per token by one built-in block's memory-bound ops (everything but its GEMMs, attention
+# kernels and views), forward and backward: counted op by op with a TorchDispatchMode on the eager block (fp32,
+# 4 heads, 2 KV heads) at two widths and two FFN sizes and fitted as a x dim + b x ffn_dim; forward: norms, residual
+# adds, RoPE in fp32 and SwiGLU; backward also the norms' and RoPE's gradients, SwiGLU's recomputed SiLU and its
+# fp32 gradient, and the weight-gradient accumulation of the norms. tests/test_plan_formulas.py counts them again.
+POINTWISE_FWD_H, POINTWISE_FWD_FFN = 34.0, 5.0
+POINTWISE_BWD_H, POINTWISE_BWD_FFN = 84.5, 24.0
 # unconfirmed estimate: bytes per token and vocabulary entry the loss moves, forward + backward (logits, their fp32
 # copy, log-softmax, and the gradients of each)
 LOSS_BYTES_PER_VOCAB = 24.0
@@ -132,7 +136,9 @@ def time_breakdown(
     bw = cluster.memory_bw
     tok = grid.micro_batch * s / cp  # tokens of one micro-batch on one rank (TP ranks share them)
 
-    pointwise_fwd = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp / bw
+    point_fwd_bytes = tok * (POINTWISE_FWD_H * args.dim + POINTWISE_FWD_FFN * args.ffn_dim) * e / tp
+    point_bwd_bytes = tok * (POINTWISE_BWD_H * args.dim + POINTWISE_BWD_FFN * args.ffn_dim) * e / tp
+    pointwise_fwd, pointwise_bwd = point_fwd_bytes / bw, point_bwd_bytes / bw
     kv = args.n_kv_heads * args.head_dim
     cast_elements = 2.0 * (6.0 * args.dim + args.ffn_dim) + 3.0 * args.dim + 2.0 * kv + 2.0 * args.ffn_dim
     # a third of the casts in forward (the layer_fwd x 3 convention below)
@@ -145,18 +151,18 @@ def time_breakdown(
     )
     loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
-    layer_bwd, selective_fwd = 2.0 * layer_fwd, pointwise_fwd  # backward: twice the forward's FLOPs
+    # backward: twice the forward's FLOPs (and casts), and its own memory-bound ops
+    layer_bwd, selective_fwd = 2.0 * (layer_fwd - pointwise_fwd) + pointwise_bwd, pointwise_fwd
     if args.block == "gpt":  # Megatron's GPT block, op by op on efficiency curves (plan/efficiency.py)
         layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, s, tp, r_mm, cluster, e)
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + loss_fwd
     elif cluster.measured_matmul_curve:  # `scaletrain bench` curves: each GEMM and kernel at its measured rate
-        point_bytes = tok * (POINTWISE_ELEMENTS_H * args.dim + POINTWISE_ELEMENTS_FFN * args.ffn_dim) * e / tp
         layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
-            args, tok, s, tp, r_mm, r_attn, point_bytes, cluster, e
+            args, tok, s, tp, r_mm, r_attn, (point_fwd_bytes, point_bwd_bytes), cluster, e
         )
         loss_bytes = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp
-        out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + memory_seconds(
-            loss_bytes, cluster, loss_bytes / 3
+        out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + pointwise_seconds(
+            loss_bytes, loss_bytes / 3, cluster
         )
     # the pipeline's pace is its slowest rank: the one with the output layer or the one with the most blocks
     layer = layer_fwd + layer_bwd
