@@ -40,10 +40,14 @@ AC = {
 }
 
 
-def launch_runner(nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600) -> None:
+def launch_runner(
+    nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600, fit: frozenset[str] = frozenset()
+) -> None:
+    """One launch of tests/parallel_runner.py for every job (FAST + its overrides); the jobs named in `fit` run the
+    trainer's own loop (metrics, checkpoints) instead of the bare steps."""
     spec = out / f"jobs{nproc}.json"
     out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o]} for n, o in jobs.items()]))
+    spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o], "fit": n in fit} for n, o in jobs.items()]))
     torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=timeout)
 
 
