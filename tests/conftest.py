@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -36,6 +37,22 @@ def run_cli(
         timeout=timeout,
         env=full_env,
     )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"scaletrain {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def run_cli_in_process(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """The same `scaletrain` command, run by click in this process (in `cwd`) instead of a fresh interpreter: for
+    commands that start no ranks (ckpt, report), saving the interpreter's and torch's import per call. An exception
+    the command does not turn into an exit code propagates (it would have been a traceback)."""
+    from click.testing import CliRunner
+
+    from scaletrain.cli.main import main
+
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+    proc = subprocess.CompletedProcess(["scaletrain", *args], result.exit_code, result.stdout, result.stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"scaletrain {' '.join(args)} exited {proc.returncode}\n{proc.stderr[-4000:]}")
     return proc

@@ -9,7 +9,9 @@ JOBS.json: [{"name": "pp_gpipe", "overrides": ["parallel.pp=2", ...]}, ...]. Wri
 (rank 0) and OUT_DIR/NAME/state_rankR.pt from one rank per pipeline stage (data-parallel, TP and CP rank 0).
 A job with "activations": true also writes OUT_DIR/NAME/activations_rankR.json: the bytes autograd saves for
 backward in one forward of the next micro-batch (distinct storages, parameters excluded), counted by
-saved-tensor hooks (no pipeline).
+saved-tensor hooks (no pipeline). A job with "fit": true instead trains with the trainer's own loop
+(scaletrain.train.loop.fit: metrics, evaluation, checkpoints) into the run folder its overrides name (give an
+absolute run.output_dir), as `scaletrain train` would, without a launch of its own.
 """
 
 from __future__ import annotations
@@ -47,8 +49,13 @@ def saved_activation_bytes(trainer) -> int:
     return sum(seen.values())
 
 
-def run_job(overrides: list[str], out: Path, rt, activations: bool = False) -> None:
+def run_job(overrides: list[str], out: Path, rt, activations: bool = False, fit: bool = False) -> None:
     trainer = Trainer.build(load_config(None, overrides), rt)
+    if fit:
+        from scaletrain.train.loop import fit as fit_loop
+
+        fit_loop(trainer)
+        return
     losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +75,7 @@ def main() -> None:
     rt = init_distributed("cpu")
     try:
         for job in jobs:
-            run_job(job["overrides"], out / job["name"], rt, job.get("activations", False))
+            run_job(job["overrides"], out / job["name"], rt, job.get("activations", False), job.get("fit", False))
             torch.distributed.barrier()
     finally:
         shutdown_distributed()

@@ -14,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import losses, run_cli, val_losses
+from conftest import losses, run_cli, run_cli_in_process, val_losses
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.monitor import read_jsonl
 
-STEPS = 60
+STEPS = 40  # checkpoints every 10: the newest, the one before it and a good one below (test_corrupt_...)
 JOB = [
     f"train.steps={STEPS}",
     "monitor.log_interval=1",
     "train.global_batch_size=16",
-    "data.seq_len=128",
+    "data.seq_len=64",
     "train.eval_batches=1",
     "train.eval_interval=0",
     "data.max_bytes=300000",
@@ -178,17 +178,18 @@ def test_corrupt_and_crafted_checkpoints_are_refused_and_work_is_not_lost(clean)
     _plant_pickle(crafted, marker)
     (ckpts / f"step_{STEPS + 10:08d}.partial").mkdir()  # a save that crashed before committing
 
+    # a fresh interpreter once; the other ckpt commands run in this process (run_cli_in_process)
     proc = run_cli(["ckpt", "verify", str(run)], cwd, check=False)
     assert proc.returncode == 1
     assert f"step_{STEPS:08d}: BAD: {shard.name} fails its sha256 checksum" in proc.stdout
     assert (
         f"step_{STEPS - 10:08d}: BAD: step_{STEPS - 10:08d}/.metadata: refuses to unpickle posix.system" in proc.stdout
     ), proc.stdout
-    listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
+    listing = run_cli_in_process(["ckpt", "ls", str(run)], cwd).stdout
     assert "incomplete" in listing and "sizes ok, not verified" in listing
-    listing = run_cli(["ckpt", "ls", "--verify", str(run)], cwd).stdout
+    listing = run_cli_in_process(["ckpt", "ls", "--verify", str(run)], cwd).stdout
     assert "fails its sha256" in listing and "refuses to unpickle" in listing and "verified (sha256" in listing
-    proc = run_cli(["ckpt", "export", str(crafted), "--out", str(cwd / "exported")], cwd, check=False)
+    proc = run_cli_in_process(["ckpt", "export", str(crafted), "--out", str(cwd / "exported")], cwd, check=False)
     assert proc.returncode == 2 and "refuses to unpickle posix.system" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 2  # "skipping ..." and the one-line error
     assert not (cwd / "exported").exists()
@@ -202,9 +203,9 @@ def test_corrupt_and_crafted_checkpoints_are_refused_and_work_is_not_lost(clean)
     assert not (ckpts / f"step_{STEPS + 10:08d}.partial").exists()
     assert losses(run) == losses(ref)[STEPS - 20 :]  # only the replayed steps were logged in this run
     # the retrained steps were saved again: the newest checkpoint verifies and holds the clean run's weights
-    assert run_cli(["ckpt", "verify", str(newest)], cwd).stdout.strip() == f"step_{STEPS:08d}: ok"
+    assert run_cli_in_process(["ckpt", "verify", str(newest)], cwd).stdout.strip() == f"step_{STEPS:08d}: ok"
     assert {p.name.split(".")[0] for p in ckpts.glob("*.corrupt-*")} == {newest.name, crafted.name}
-    listing = run_cli(["ckpt", "ls", str(run)], cwd).stdout
+    listing = run_cli_in_process(["ckpt", "ls", str(run)], cwd).stdout
     assert listing.count("set aside") == 2
     mine, theirs = _final_weights(run), _final_weights(ref)
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
@@ -214,10 +215,10 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
     transformers = pytest.importorskip("transformers")
     cwd, ref = clean
     out = tmp_path / "hf"
-    run_cli(["ckpt", "export", str(ref), "--format", "hf", "--out", str(out)], cwd)
+    run_cli_in_process(["ckpt", "export", str(ref), "--format", "hf", "--out", str(out)], cwd)
     for fmt in ("safetensors", "torch"):
-        run_cli(["ckpt", "export", str(ref), "--format", fmt, "--out", str(tmp_path / fmt)], cwd)
-    bad = run_cli(
+        run_cli_in_process(["ckpt", "export", str(ref), "--format", fmt, "--out", str(tmp_path / fmt)], cwd)
+    bad = run_cli_in_process(
         ["ckpt", "export", str(ref), "--out", str(tmp_path / "x"), "--max-shard-size", "2 big"], cwd, check=False
     )
     assert bad.returncode == 2 and bad.stderr.strip().endswith("write it like 2GB, 500MB or 1GiB")
@@ -239,7 +240,7 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
         [
             "train",
             "train.steps=2",
-            "data.seq_len=128",
+            "data.seq_len=64",
             "data.max_bytes=300000",
             "monitor.log_interval=1",
             "train.eval_batches=1",
@@ -301,14 +302,14 @@ def test_pipeline_checkpoints_load_into_fsdp_and_back(clean):
     want = losses(ref)
     assert all(abs(a - b) <= 1e-5 for a, b in zip(want, losses(pp)))
     # pipeline-parallel checkpoint (stage-local names) -> FSDP on 2 ranks
-    _resume_copy(pp, cwd / "runs/pp_to_fsdp", 30)
+    _resume_copy(pp, cwd / "runs/pp_to_fsdp", STEPS - 20)
     proc = run_cli(["train", *JOB, "run.name=pp_to_fsdp"], cwd)
-    assert "at step 30 (saved by" in proc.stderr and "pp=2" in proc.stderr
-    for a, b in zip(want[30:], losses(cwd / "runs/pp_to_fsdp")):
+    assert f"at step {STEPS - 20} (saved by" in proc.stderr and "pp=2" in proc.stderr
+    for a, b in zip(want[STEPS - 20 :], losses(cwd / "runs/pp_to_fsdp")):
         assert abs(a - b) <= 1e-5
     # FSDP checkpoint -> pipeline parallel
-    _resume_copy(ref, cwd / "runs/fsdp_to_pp", 40)
+    _resume_copy(ref, cwd / "runs/fsdp_to_pp", STEPS - 10)
     run_cli(["train", *JOB, "run.name=fsdp_to_pp", "parallel.pp=2", "parallel.dp_shard=1"], cwd)
-    for a, b in zip(want[40:], losses(cwd / "runs/fsdp_to_pp")):
+    for a, b in zip(want[STEPS - 10 :], losses(cwd / "runs/fsdp_to_pp")):
         assert abs(a - b) <= 1e-5
-    assert len(losses(cwd / "runs/fsdp_to_pp")) == STEPS - 40
+    assert len(losses(cwd / "runs/fsdp_to_pp")) == 10

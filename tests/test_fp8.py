@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, losses, run_cli
+from conftest import FAST, losses, run_cli, run_cli_in_process
 from test_parallel_layouts import launch_runner, runner_losses
 
 STEPS = 50
@@ -74,7 +74,9 @@ def test_fp8_checkpoint_resumes_the_same_losses_and_exports_plain_weights(tmp_pa
     assert losses(tmp_path / "runs/resumed") == losses(ref)[6:]
 
     out = tmp_path / "exported"
-    run_cli(["ckpt", "export", str(tmp_path / "runs/resumed"), "--format", "torch", "--out", str(out)], tmp_path)
+    run_cli_in_process(
+        ["ckpt", "export", str(tmp_path / "runs/resumed"), "--format", "torch", "--out", str(out)], tmp_path
+    )
     state = torch.load(out / "model.pt", weights_only=True)
     assert "layers.0.attention.wq.weight" in state
     for name, tensor in state.items():
@@ -95,7 +97,7 @@ def test_fp8_checkpoint_resumes_the_same_losses_and_exports_plain_weights(tmp_pa
     ],
 )
 def test_fp8_bad_config_is_one_line_before_launch(tmp_path, overrides, message):
-    proc = run_cli(["train", *FAST, *overrides], tmp_path, check=False)
+    proc = run_cli_in_process(["train", *FAST, *overrides], tmp_path, check=False)  # refused before any rank
     assert proc.returncode == 2 and proc.stderr.startswith(f"scaletrain: error: {message}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
 

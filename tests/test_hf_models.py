@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, run_cli
+from conftest import FAST, losses, run_cli
 from test_parallel_layouts import launch_runner, runner_losses
 
 TOL = 1e-5
@@ -85,7 +85,11 @@ def runs(folders, tmp_path_factory) -> Path:
     deep = save_hf_folder(out / "qwen3_deep", {**FAMILIES["qwen3"], "num_hidden_layers": 4})
     v_shape = ["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_schedule=ZBVZeroBubble"]
     single = {f"{n}_single": [*STEPS, f"model.hf={p}", "parallel.dp_shard=1"] for n, p in folders.items()}
-    launch_runner(1, {**single, "qwen3_deep_single": [*STEPS, f"model.hf={deep}", "parallel.dp_shard=1"]}, out)
+    # the same launch trains each family with the trainer's own loop and a final checkpoint (the export test's
+    # input; `scaletrain train model.hf=...` itself runs in test_train_through_the_cli_writes_the_same_run)
+    fits = {f"{n}_fit": [*STEPS, f"model.hf={p}", *_fit_run(out, n)] for n, p in folders.items()}
+    single |= {"qwen3_deep_single": [*STEPS, f"model.hf={deep}", "parallel.dp_shard=1"], **fits}
+    launch_runner(1, single, out, fit=frozenset(fits))
     jobs = {
         f"{n}_{layout}": [*STEPS, f"model.hf={p}", *extra]
         for n, p in folders.items()
@@ -94,6 +98,10 @@ def runs(folders, tmp_path_factory) -> Path:
     }
     launch_runner(2, {**jobs, "qwen3_deep_pp2v": [*STEPS, f"model.hf={deep}", *v_shape]}, out)
     return out
+
+
+def _fit_run(out: Path, family: str) -> list[str]:
+    return [f"run.output_dir={out / 'fit'}", f"run.name={family}", "checkpoint.save_final=true"]
 
 
 def _skipped(family: str, layout: str) -> bool:
@@ -142,17 +150,12 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(folders, tmp_path, family):
+def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(runs, folders, tmp_path, family):
     from transformers import AutoModelForCausalLM
 
     from scaletrain.checkpoint.export import export_checkpoint, load_full_model_state
 
-    run_cli(
-        ["train", *FAST, *STEPS, f"model.hf={folders[family]}", "run.name=hf", "checkpoint.save_final=true"]
-        + ["--nproc-per-node", "1"],
-        tmp_path,
-    )
-    ckpt = tmp_path / "runs/hf/checkpoints/step_00000005"
+    ckpt = runs / "fit" / family / "checkpoints/step_00000005"  # trained 5 steps by the trainer's loop (runs)
     # shards of at most 100 KB (these models are 0.4-1 MB): several files and their index, written one at a time;
     # in this process (`ckpt export` is this function; its CLI runs in tests/test_checkpoint.py)
     export_checkpoint(ckpt, tmp_path / "out", "hf", "100KB")
@@ -175,6 +178,18 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
     assert (a - before).abs().max().item() > 1e-3  # the export holds the trained weights, not the starting ones
     # laid out as transformers saves the model (tied output once, mixture-of-experts weights expert by expert)
     assert _file_keys(tmp_path / "out") == _file_keys(folders[family])
+
+
+def test_train_through_the_cli_writes_the_same_run(runs, folders, tmp_path):
+    """`scaletrain train model.hf=...` (the launch the other families skip): the same losses and final checkpoint
+    as the trainer's loop in the shared launch."""
+    args = ["train", *FAST, *STEPS, f"model.hf={folders['llama']}", "run.name=hf", "checkpoint.save_final=true"]
+    run_cli([*args, "--nproc-per-node", "1"], tmp_path)
+    got, want = losses(tmp_path / "runs/hf"), losses(runs / "fit" / "llama")
+    assert len(got) == len(want) == 5
+    for step, (a, b) in enumerate(zip(want, got), 1):
+        assert abs(a - b) <= TOL, f"step {step}: {b} through the CLI vs {a}"
+    assert (tmp_path / "runs/hf/checkpoints/step_00000005").is_dir()
 
 
 def _file_keys_of(f: Path) -> set[str]:

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_in_process
 
 from scaletrain.monitor import read_jsonl
 from scaletrain.monitor.faults import ENV as FAULTS
@@ -121,7 +121,7 @@ def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path
     top = [f for f in diagnosis(run) if f["rule"] == "top_kernels"]
     assert top and "aten::" in top[0]["evidence"]
 
-    out = run_cli(["report", str(run)], tmp_path).stdout.strip()
+    out = run_cli_in_process(["report", str(run)], tmp_path).stdout.strip()
     html_path = run / "report.html"
     assert out == str(html_path) and "No bottleneck found" in html_path.read_text()
     shot = tmp_path / "report.png"

@@ -2,10 +2,10 @@
 per-step loss within 1e-5 and, after the last step, every gathered parameter within 1e-5.
 
 Launches are shared: one process runs the reference and the activation-checkpointing variants, one 2-rank launch
-runs PP2 under all six schedules, one 8-rank launch PP2 x FSDP2 x TP2 (+SP) (these three through
-tests/parallel_runner.py, which trains with the trainer's own pieces and gathers the full state), and the real
-`scaletrain train` runs TP2 (automatic plan), TP2+SP, FSDP2 x TP2 and DDP2 x PP2 (the built-in plan, with loss
-parallelism)."""
+runs PP2 under all six schedules and, with the trainer's own loop, TP2 (automatic plan) and TP2+SP, one 8-rank
+launch PP2 x FSDP2 x TP2 (+SP) (these three through tests/parallel_runner.py, which trains with the trainer's own
+pieces and gathers the full state), and the real `scaletrain train` runs FSDP2 x TP2 and DDP2 x PP2 (the built-in
+plan, with loss parallelism)."""
 
 import json
 from pathlib import Path
@@ -20,9 +20,12 @@ from conftest import FAST, losses, run_cli, torchrun
 TOL = 1e-5
 RUNNER = Path(__file__).resolve().parent / "parallel_runner.py"
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+# trained by the trainer's own loop (what each rank of `scaletrain train` runs) in the shared 2-rank runner launch
+FIT_LAYOUTS = {
+    "tp2_auto_plan": ["parallel.tp=2", "parallel.tp_plan=auto"],  # linears found by structure
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+}
 CLI_LAYOUTS = {
-    "tp2_auto_plan": (2, ["parallel.tp=2", "parallel.tp_plan=auto"]),  # linears found by structure
-    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "fsdp2_tp2": (4, ["parallel.tp=2", "parallel.dp_shard=2"]),
     "ddp2_pp2": (
         4,
@@ -40,10 +43,14 @@ AC = {
 }
 
 
-def launch_runner(nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600) -> None:
+def launch_runner(
+    nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600, fit: frozenset[str] = frozenset()
+) -> None:
+    """One launch of tests/parallel_runner.py for every job (FAST + its overrides); the jobs named in `fit` run the
+    trainer's own loop (metrics, checkpoints) instead of the bare steps."""
     spec = out / f"jobs{nproc}.json"
     out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o]} for n, o in jobs.items()]))
+    spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o], "fit": n in fit} for n, o in jobs.items()]))
     torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=timeout)
 
 
@@ -66,9 +73,9 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("layouts")
     out = cwd / "runner"
     launch_runner(1, {"single": ["parallel.dp_shard=1"], **AC}, out)
-    launch_runner(
-        2, {f"pp2_{s}": ["parallel.pp=2", "parallel.dp_shard=1", f"parallel.pp_schedule={s}"] for s in SCHEDULES}, out
-    )
+    pp2 = {f"pp2_{s}": ["parallel.pp=2", "parallel.dp_shard=1", f"parallel.pp_schedule={s}"] for s in SCHEDULES}
+    fits = {n: [f"run.output_dir={cwd / 'runs'}", f"run.name={n}", *o] for n, o in FIT_LAYOUTS.items()}
+    launch_runner(2, {**pp2, **fits}, out, fit=frozenset(fits))
     launch_runner(
         8,
         {
@@ -88,7 +95,7 @@ def runs(tmp_path_factory):
     return {"cwd": cwd, "out": out, "stderr": stderr}
 
 
-@pytest.mark.parametrize("layout", list(CLI_LAYOUTS))
+@pytest.mark.parametrize("layout", [*FIT_LAYOUTS, *CLI_LAYOUTS])
 def test_trainer_layouts_match_one_process_per_step(runs, layout):
     ref, got = runner_losses(runs["out"] / "single"), losses(runs["cwd"] / "runs" / layout)
     assert len(ref) == len(got) == 10

@@ -2,10 +2,11 @@
 seed step by step within a stated tolerance."""
 
 import math
+from pathlib import Path
 
 import pytest
 
-from conftest import FAST, losses, run_cli
+from conftest import losses
 from scaletrain.monitor import read_jsonl
 from test_parallel_layouts import launch_runner, runner_losses
 
@@ -23,19 +24,42 @@ def fp32_losses(tmp_path_factory) -> list[float]:
     return runner_losses(out / "fp32")
 
 
-@pytest.mark.parametrize(
-    "dtype, layout",
-    [
-        ("bf16", "parallel.dp_shard=2"),
-        ("bf16", "parallel.dp_replicate=2"),
-        ("fp16", "parallel.dp_shard=2"),
-        ("fp16", "parallel.dp_replicate=2"),
-    ],
-)
-def test_low_precision_trains(tmp_path, dtype, layout, fp32_losses):
-    run_cli(["train", *FAST, *STEPS, f"precision.dtype={dtype}", layout, "run.name=p"], tmp_path)
-    records = read_jsonl(tmp_path / "runs/p/metrics.jsonl")
-    got = losses(tmp_path / "runs/p")
+CASES = [
+    ("bf16", "parallel.dp_shard=2"),
+    ("bf16", "parallel.dp_replicate=2"),
+    ("fp16", "parallel.dp_shard=2"),
+    ("fp16", "parallel.dp_replicate=2"),
+]
+
+
+def _name(dtype: str, layout: str) -> str:
+    return f"{dtype}_{layout.split('.')[1].split('=')[0]}"
+
+
+@pytest.fixture(scope="module")
+def low_runs(tmp_path_factory) -> Path:
+    """Every case in one 2-rank launch, each trained by the trainer's own loop (what each rank of `scaletrain train`
+    runs; bf16 through the CLI itself: test_fp8.py) into RUNS/NAME/metrics.jsonl."""
+    out = tmp_path_factory.mktemp("low")
+    jobs = {
+        _name(d, lay): [
+            *STEPS,
+            f"precision.dtype={d}",
+            lay,
+            f"run.output_dir={out / 'runs'}",
+            f"run.name={_name(d, lay)}",
+        ]
+        for d, lay in CASES
+    }
+    launch_runner(2, jobs, out / "runner", fit=frozenset(jobs))
+    return out / "runs"
+
+
+@pytest.mark.parametrize("dtype, layout", CASES)
+def test_low_precision_trains(low_runs, dtype, layout, fp32_losses):
+    run = low_runs / _name(dtype, layout)
+    records = read_jsonl(run / "metrics.jsonl")
+    got = losses(run)
     assert len(got) == 20 and all(math.isfinite(x) for x in got)
     assert got[-1] < got[0] - 1.0
     if dtype == "fp16":

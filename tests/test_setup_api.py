@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import run_cli, torchrun
+from conftest import run_cli_in_process, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "custom_loop.py"
@@ -57,9 +57,9 @@ def test_fsdp_on_models_users_bring(tmp_path):
 
     ckpt = Path((tmp_path / "saved_at.txt").read_text())
     assert ckpt.name == "step_00000003"
-    listed = run_cli(["ckpt", "ls", str(ckpt.parent)], tmp_path).stdout
+    listed = run_cli_in_process(["ckpt", "ls", str(ckpt.parent)], tmp_path).stdout
     assert "step_00000003" in listed and "fsdp (dp_shard=2)" in listed and "BAD" not in listed
-    run_cli(["ckpt", "export", str(ckpt.parent), "--out", str(tmp_path / "st")], tmp_path)
+    run_cli_in_process(["ckpt", "export", str(ckpt.parent), "--out", str(tmp_path / "st")], tmp_path)
     from safetensors.torch import load_file
 
     exported = load_file(str(tmp_path / "st" / "model.safetensors"))
@@ -67,7 +67,7 @@ def test_fsdp_on_models_users_bring(tmp_path):
     assert exported.keys() == gathered.keys()
     assert all(torch.equal(exported[k], gathered[k]) for k in gathered)
     # a transformers model's checkpoint records its config: the hf export is the same weights under transformers
-    run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
     as_hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert as_hf.keys() <= gathered.keys() and all(torch.equal(v, gathered[k]) for k, v in as_hf.items())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
@@ -77,7 +77,7 @@ def test_fsdp_on_models_users_bring(tmp_path):
     manifest = json.loads((bare / "manifest.json").read_text())
     manifest.pop("model_spec")
     (bare / "manifest.json").write_text(json.dumps(manifest))
-    refused = run_cli(
+    refused = run_cli_in_process(
         ["ckpt", "export", str(bare), "--format", "hf", "--out", str(tmp_path / "no")], tmp_path, check=False
     )
     assert refused.returncode == 2 and "--format safetensors or torch" in refused.stderr
@@ -203,8 +203,10 @@ def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
     assert _close([got[s] for s in range(1, 11)], [whole[s] for s in range(1, 11)]), (got, whole)
     # the checkpoint setup() wrote records the transformers model, so it exports as a folder from_pretrained loads
     step = Path(ckpt) / "step_00000005"
-    run_cli(["ckpt", "export", str(step), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
-    run_cli(["ckpt", "export", str(step), "--format", "safetensors", "--out", str(tmp_path / "st")], tmp_path)
+    run_cli_in_process(["ckpt", "export", str(step), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    run_cli_in_process(
+        ["ckpt", "export", str(step), "--format", "safetensors", "--out", str(tmp_path / "st")], tmp_path
+    )
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

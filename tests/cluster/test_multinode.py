@@ -13,21 +13,17 @@ import pytest
 import torch
 
 from cluster_nodes import make_cluster
-from conftest import losses, run_cli
+from conftest import FAST, losses, run_cli
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.monitor import read_jsonl
 from scaletrain.train.fingerprint import compare
 
 STEPS = 8
+# conftest's small, fast job (its one evaluation batch included), with checkpoints every 2 steps to recover from
 JOB = [
+    *FAST,
     f"train.steps={STEPS}",
-    "monitor.log_interval=1",
-    "train.global_batch_size=16",
-    "data.seq_len=64",
     "train.eval_interval=0",
-    "data.max_bytes=300000",
-    "train.warmup_steps=2",
-    "monitor.progress=false",
     "checkpoint.interval_steps=2",
     "checkpoint.save_final=true",
 ]

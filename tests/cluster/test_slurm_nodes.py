@@ -15,21 +15,17 @@ from pathlib import Path
 import pytest
 
 from cluster_nodes import make_cluster
-from conftest import losses
+from conftest import FAST, losses
 from scaletrain.monitor import read_jsonl
 from slurm_nodes import make_slurm
 
 STEPS = 20
+# conftest's small, fast job (its one evaluation batch included), long enough to be preempted mid-run
 JOB = [
+    *FAST,
     f"train.steps={STEPS}",
     "model.name=tiny",
-    "monitor.log_interval=1",
-    "train.global_batch_size=16",
-    "data.seq_len=64",
     "train.eval_interval=0",
-    "data.max_bytes=300000",
-    "train.warmup_steps=2",
-    "monitor.progress=false",
     "checkpoint.interval_steps=1000",  # the only checkpoint before the end is the preemption's
 ]
 TOL = 1e-5
