@@ -141,3 +141,47 @@ def test_bench_nodes_flags_that_do_not_go_together_are_one_line(tmp_path, args, 
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"scaletrain: error: {line}"
     assert not (tmp_path / "cal.toml").exists()
+
+
+def test_a_group_spanning_nodes_waits_what_bench_measured_across_them():
+    """CPU ranks: bench --nodes measures the wait of an all-gather over every rank of every node after compute
+    (its cost beyond the all-gather fit for 64 KiB); a collective whose group spans nodes pays it, a group inside a
+    node the intra-node curve."""
+    from scaletrain.hardware.bench import SYNC_BYTES
+    from scaletrain.plan.efficiency import amid_compute_seconds
+
+    B = 0.12e9
+    base = calibration(B)
+    ag_alone = 3 * LAT + 3 / 4 * SYNC_BYTES / B  # the world all-gather fit's 64 KiB
+    pts = tuple((b, 6 * LAT + 1.5 * b / B) for b in (2.0**16, 2.0**20, 2.0**24))
+    raw = {
+        "all_reduce": list(pts),
+        "all_gather": [(b, t / 2) for b, t in pts],
+        "sync": [(0.001, ag_alone + 0.004), (0.1, ag_alone + 0.02)],
+    }
+    fields = internode_fields(raw, 2, 2)
+    waits = fields["internode_collective_amid_compute"]
+    assert [g for g, _ in waits] == [0.001, 0.1] and [x for _, x in waits] == pytest.approx([0.004, 0.02])
+    cal = dataclasses.replace(base, host_cores=2, collective_amid_compute=((0.001, 0.001), (0.1, 0.001)), **fields)
+    c = cluster_of(cal)
+    assert c.measured_inter_sync_curve == waits
+    assert amid_compute_seconds(0.1, 4, c, True) == pytest.approx(0.02)
+    assert amid_compute_seconds(0.1, 2, c, False) == pytest.approx(0.001)
+    # in the step: DDP over 2 x 2 (one bucket) spans nodes; HSDP's shard groups do not, its replicas do
+    without = cluster_of(dataclasses.replace(cal, internode_collective_amid_compute=()))
+    work = Workload("tiny", preset_spec("tiny").shape(), 256, 16)
+    ddp, hsdp = (
+        Layout(4, 1, 1, 1, 1, 4, 1, "none", "fp32", "none"),
+        Layout(2, 2, 1, 1, 1, 4, 1, "none", "fp32", "none"),
+    )
+    extra = {
+        name: evaluate_layout(work, c, lay).time["dp comm exposed"]
+        - evaluate_layout(work, without, lay).time["dp comm exposed"]
+        for name, lay in (("ddp", ddp), ("hsdp", hsdp))
+    }
+    # DDP: one bucket; HSDP: 5 units' all-reduces across the replicas (the gap, half a block's backward, is on the
+    # curve's rising part), each the inter-node wait less the intra-node one
+    assert extra["ddp"] > 0 and extra["hsdp"] > extra["ddp"]
+    # a one-node calibration has none: nothing changes
+    path_free = dataclasses.replace(cal, internode_collective_amid_compute=())
+    assert cluster_of(path_free).measured_inter_sync_curve is None

@@ -44,6 +44,8 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     cal = load_calibration(out)
     assert cal.nodes == 2 and cal.ranks == 2
     assert [p[0] for p in cal.internode_all_reduce] == [2**16, 2**20, 2**22]
+    # CPU ranks: the wait of an all-gather over every rank of both nodes after compute, at each measured gap
+    assert len(cal.internode_collective_amid_compute) == len(cal.collective_amid_compute) == 4
     inter, intra = cal.internode_allreduce_busbw, cal.allreduce_busbw
     assert inter is not None and intra is not None and cal.internode_allgather_busbw is not None
     # one ring stream per node link: at most the line rate (tbf's 256 KB burst and the fit's noise: 1.2x)

@@ -32,6 +32,8 @@ POINT_KEYS: dict[str, tuple[str, ...]] = {
     # the same, over every rank of every node (`scaletrain bench --nodes N`)
     "internode_all_reduce": ("bytes", "seconds"),
     "internode_all_gather": ("bytes", "seconds"),
+    # CPU: an all-gather over every rank of every node after compute on each, as collective_amid_compute
+    "internode_collective_amid_compute": ("gap_s", "extra_s"),
     # CPU: seconds of compute between two collectives, and what one all-gather then costs beyond it and its own time
     "collective_amid_compute": ("gap_s", "extra_s"),
     # causal scaled_dot_product_attention, forward + backward, at `flops` FLOP/s (3 x the forward's 2 s^2 d per head)
@@ -72,6 +74,7 @@ class Calibration:
     internode_allgather_latency_s: float | None = None
     internode_all_reduce: tuple[tuple[float, ...], ...] = ()
     internode_all_gather: tuple[tuple[float, ...], ...] = ()
+    internode_collective_amid_compute: tuple[tuple[float, ...], ...] = ()
     # the host's CPU sharing (bench on a CPU; None on GPUs and in older files): the cores the ranks may run on
     # (os.sched_getaffinity), and the extra wait of a collective amid compute over `ranks` ranks (POINT_KEYS)
     host_cores: int | None = None
@@ -184,6 +187,7 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         measured_matmul_shapes=tuple((m, n, k, f) for m, n, k, f in cal.matmul) if cpu and cal.matmul else None,
         host_cores=cal.host_cores,
         measured_sync_curve=tuple((g, x) for g, x in cal.collective_amid_compute) or None,
+        measured_inter_sync_curve=tuple((g, x) for g, x in cal.internode_collective_amid_compute) or None,
         measured_matmul_flops=cal.matmul_flops,
         measured_busbw=cal.allreduce_busbw,
         measured_memory_bw=cal.memory_bw,

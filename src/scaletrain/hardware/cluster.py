@@ -114,6 +114,8 @@ class Cluster:
     measured_matmul_shapes: tuple[tuple[float, float, float, float], ...] | None = None
     host_cores: int | None = None
     measured_sync_curve: tuple[tuple[float, float], ...] | None = None
+    # the same wait for a group spanning nodes, measured over every rank of every node (`scaletrain bench --nodes`)
+    measured_inter_sync_curve: tuple[tuple[float, float], ...] | None = None
     calibration_note: str = ""
     # (collective kind, latency per ring step in s, bus bandwidth in bytes/s) of one ring over every rank of
     # several nodes, measured by `scaletrain bench --nodes` (plan/comm.py prices groups that span nodes with it)

@@ -16,7 +16,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from scaletrain.hardware.bench import KIB, MIB, _median_seconds
+from scaletrain.hardware.bench import KIB, MIB, SYNC_BYTES, _median_seconds, _sync_extra_seconds
 
 INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
 SAMPLES = 5
@@ -35,7 +35,8 @@ def message_sizes(max_bytes: int) -> tuple[int, ...]:
 def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") -> dict[str, list[tuple[int, float]]]:
     """One rank under the torchrun agent: all-reduce and all-gather over every rank of every node at each of
     `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The all-gather's bytes
-    are its gathered output, as in bench.py."""
+    are its gathered output, as in bench.py. On CPUs also "sync": what an all-gather over every rank costs after
+    compute on every rank (bench.py's _sync_extra_seconds, over the nodes), as rank 0 measured it."""
     import torch.distributed as dist
 
     from scaletrain.parallel.runtime import init_distributed, shutdown_distributed
@@ -44,7 +45,7 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
     world, device = rt.world_size, rt.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # NCCL collectives return early
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    out: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": []}
+    out: dict[str, list] = {"all_reduce": [], "all_gather": [], "sync": []}
     try:
         for nbytes in sizes:
             t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
@@ -59,6 +60,10 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
                 slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
                 dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
                 out[kind].append((size, float(slowest.cpu())))
+        if device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective across nodes amid compute
+            points = torch.tensor(_sync_extra_seconds(world, dist.barrier, gather), dtype=torch.float64)
+            dist.broadcast(points, 0)  # rank 0's, on every rank (the agent returns any rank's)
+            out["sync"] = [(float(g), float(c)) for g, c in points]
     finally:
         shutdown_distributed()
     return out
@@ -77,11 +82,13 @@ def fit_seconds(points, steps: float, volume: float) -> tuple[float, float]:
     return float(a) / steps, volume / float(b)
 
 
-def internode_fields(points: dict[str, list[tuple[int, float]]], nodes: int, per_node: int) -> dict:
-    """Calibration fields of the world collectives measured over `nodes` x `per_node` ranks."""
+def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict:
+    """Calibration fields of the world collectives measured over `nodes` x `per_node` ranks; the wait of one amid
+    compute is its cost beyond what the all-gather fit charges for SYNC_BYTES (as bench.py's run_bench)."""
     n = float(nodes * per_node)
     ar_lat, ar_bw = fit_seconds(points["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
     ag_lat, ag_bw = fit_seconds(points["all_gather"], n - 1, (n - 1) / n)
+    alone = (n - 1) * ag_lat + (n - 1) / n * SYNC_BYTES / ag_bw
     return {
         "nodes": nodes,
         "internode_allreduce_busbw": ar_bw,
@@ -90,6 +97,7 @@ def internode_fields(points: dict[str, list[tuple[int, float]]], nodes: int, per
         "internode_allgather_latency_s": ag_lat,
         "internode_all_reduce": tuple(points["all_reduce"]),
         "internode_all_gather": tuple(points["all_gather"]),
+        "internode_collective_amid_compute": tuple((g, max(c - alone, 1e-9)) for g, c in points.get("sync", ())),
     }
 
 

@@ -151,19 +151,25 @@ def nondecreasing(ys) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def amid_compute_seconds(gap, size, cluster: Cluster):
+def amid_compute_seconds(gap, size, cluster: Cluster, spans_nodes=False):
     """Extra seconds one collective on `size` ranks waits when the ranks computed for `gap` seconds since the last
     one: a CPU calibration's measured curve (0 without one, or for one rank). It is the wait for the last rank to
     arrive, taken as the same for any group (bench measures it over all its ranks). The spread of arrivals builds
     up over the compute between two collectives, so the measured points are read through their non-decreasing
     fit (a loaded host scatters them); linear between the measured gaps and through zero (no compute in between,
-    no spread), flat beyond the largest."""
-    curve = cluster.measured_sync_curve
+    no spread), flat beyond the largest. A group that `spans_nodes` (an array or bool) waits what bench --nodes
+    measured over every rank of every node, where it did (else the curve inside a node)."""
     size = np.asarray(size, dtype=np.float64)
-    if not curve:
-        return np.zeros(np.broadcast(np.asarray(gap), size).shape)
-    xs, ys = zip(*sorted(curve))
-    wait = np.interp(np.asarray(gap, dtype=np.float64), (0.0, *xs), (0.0, *nondecreasing(ys)))
+
+    def read(curve):
+        if not curve:
+            return np.zeros(np.broadcast(np.asarray(gap), size).shape)
+        xs, ys = zip(*sorted(curve))
+        return np.interp(np.asarray(gap, dtype=np.float64), (0.0, *xs), (0.0, *nondecreasing(ys)))
+
+    wait = read(cluster.measured_sync_curve)
+    if cluster.measured_inter_sync_curve:
+        wait = np.where(spans_nodes, read(cluster.measured_inter_sync_curve), wait)
     return np.where(size > 1.0, wait, 0.0)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MemoryOptions, holds_unsharded_grads
-from scaletrain.plan.comm import collective_seconds, p2p_seconds
+from scaletrain.plan.comm import collective_seconds, crosses_nodes, p2p_seconds
 from scaletrain.plan.efficiency import (
     amid_compute_seconds,
     gemm_seconds,
@@ -177,7 +177,8 @@ def time_breakdown(
     tp_ops = layers * (8.0 + np.where(grid.ac == 2, 4.0, 0.0)) + 2.0
     tp_mb = tp_ops * collective_seconds("all_gather", act_bytes, tp, 1, cluster)
     # CPU: each of them waits for the TP ranks to arrive after the compute between two of them
-    tp_wait_mb = tp_ops * amid_compute_seconds((compute_mb + recompute_mb) / tp_ops, tp, cluster)
+    tp_spans = crosses_nodes(tp, 1.0, cluster.gpus_per_node)
+    tp_wait_mb = tp_ops * amid_compute_seconds((compute_mb + recompute_mb) / tp_ops, tp, cluster, tp_spans)
     tp_mb = tp_mb + tp_wait_mb
 
     # context parallel, as parallel/context_parallel.py's all-gather method sends it: per block one all-gather of K
@@ -237,9 +238,12 @@ def time_breakdown(
     sharded = fsdp & ~holds_unsharded_grads(fsdp, grid.pp, grid.accumulation, options.fsdp_accumulate)
     # CPU: each unit's gather waits for its group after one block's forward; in backward a gather and a reduction
     # per block share one block's backward, and HSDP's all-reduce then meets other ranks (the replicas)
-    sync_fwd = amid_compute_seconds(layer_fwd, shard, cluster)
-    sync_bwd = amid_compute_seconds(layer_bwd / 2.0, shard, cluster)
-    sync_reduce = sync_bwd + amid_compute_seconds(layer_bwd / 2.0, dpr, cluster)
+    # (a group spanning nodes waits what bench --nodes measured across them)
+    shard_spans = crosses_nodes(shard, tp, cluster.gpus_per_node)
+    sync_fwd = amid_compute_seconds(layer_fwd, shard, cluster, shard_spans)
+    sync_bwd = amid_compute_seconds(layer_bwd / 2.0, shard, cluster, shard_spans)
+    replicas_span = crosses_nodes(dpr, tp * shard, cluster.gpus_per_node)
+    sync_reduce = sync_bwd + amid_compute_seconds(layer_bwd / 2.0, dpr, cluster, replicas_span)
     fsdp_wait_mb = np.where(
         fsdp, units * sync_fwd + (units - 1.0) * sync_bwd + np.where(sharded, units * sync_reduce, 0.0), 0.0
     )
@@ -258,7 +262,9 @@ def time_breakdown(
     tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
     # CPU: each bucket waits for the replicas after its share of the last backward
     ddp = ~fsdp & (grid.dp_replicate > 1)
-    ddp_wait = np.where(ddp, buckets * amid_compute_seconds((compute_mb - compute_mb / 3.0) / buckets, dpr, cluster), 0)
+    ddp_spans = crosses_nodes(dpr, tp * cp, cluster.gpus_per_node)
+    bucket_gap = (compute_mb - compute_mb / 3.0) / buckets
+    ddp_wait = np.where(ddp, buckets * amid_compute_seconds(bucket_gap, dpr, cluster, ddp_spans), 0.0)
     ddp_last = np.where(ddp, np.maximum(0.0, ddp_ar * (1.0 - tail) - bwd_compute) + ddp_ar * tail, 0.0) + ddp_wait
 
     # gradient accumulation: every micro-batch after a step's first adds its weight gradients into the accumulated
