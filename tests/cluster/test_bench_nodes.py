@@ -39,7 +39,7 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     for i, (_, stderr, rc) in enumerate(results):
         assert rc == 0, f"node {i} exited {rc}: {stderr[-3000:]}"
         assert "Traceback" not in stderr, stderr[-3000:]
-    assert "across 2 nodes all-reduce busbw" in results[0][0], results[0][0]
+    assert "across 2 nodes all-reduce busbw" in results[0][0] and "(across the nodes +" in results[0][0], results[0][0]
     assert results[1][0].strip() == f"node 1: measured; node 0 writes {out}"
     cal = load_calibration(out)
     assert cal.nodes == 2 and cal.ranks == 2

@@ -697,4 +697,9 @@ def _sharing(cal) -> str:
     if cal.host_cores is None:
         return ""
     waits = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.collective_amid_compute)
-    return f"; {cal.host_cores} cores" + (f"; a collective amid compute waits {waits}" if waits else "")
+    across = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.internode_collective_amid_compute)
+    return (
+        f"; {cal.host_cores} cores"
+        + (f"; a collective amid compute waits {waits}" if waits else "")
+        + (f" (across the nodes {across})" if across else "")
+    )
