@@ -1,12 +1,14 @@
 """Measuring this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
-host time per dispatched op, and all-reduce / all-gather time at several message sizes between local ranks, fitted
-to latency + bandwidth.
+causal attention forward + backward at several sequence lengths and head dims, host time per dispatched op, and
+all-reduce / all-gather time at several message sizes between local ranks, fitted to latency + bandwidth.
 
 Everything is measured inside the ranks a training job would run: `nproc` processes started with
 torch.multiprocessing, meeting on 127.0.0.1 over torch.distributed (gloo on CPUs, NCCL with a GPU per rank), each
 with the threads the local launcher gives it (launch/local.py: cores / ranks). On a CPU the ranks compute at the
-same time, so the figures are what each rank gets while sharing the cores. Bus bandwidth follows nccl-tests:
-all-reduce algbw x 2(n-1)/n, all-gather algbw x (n-1)/n.
+same time, so the figures are what each rank gets while sharing the cores; there a real training step of the
+built-in model is also timed op by op (step_profile: its GEMMs, attention and memory-bound ops, on tensors cold and
+freshly allocated as in training, which the curves' short samples on warm buffers are not). Bus bandwidth follows
+nccl-tests: all-reduce algbw x 2(n-1)/n, all-gather algbw x (n-1)/n.
 
 On a CPU two more things are recorded (the planner's CPU-only terms, docs/planner.md): the cores this process may
 run on (os.sched_getaffinity), and what a collective costs beyond its own time when the ranks compute between

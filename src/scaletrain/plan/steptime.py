@@ -1,7 +1,9 @@
 """Step time per layout, seconds, split into compute, exposed communication, pipeline bubble and optimizer.
 
 Compute: FLOPs / (peak x achievable fraction): weight matmuls at the GPU's measured matmul ceiling, causal
-attention at the fused-attention fraction, pointwise ops as bytes / memory bandwidth; backward = 2 x forward;
+attention at the fused-attention fraction (with a calibration: at bench's measured attention curve), pointwise ops as
+bytes / memory bandwidth (CPU calibration: the bandwidth bench measured inside a real step), counted per block for
+forward and backward; backward = 2 x forward's FLOPs;
 full checkpointing re-runs the forward of every block, selective re-runs the pointwise ops.
 Communication per micro-batch and per step from message sizes over the link each mesh dim crosses (comm.py);
 FSDP gathers and DDP/FSDP gradient reductions overlap with compute (only what sticks out counts) as far as the
