@@ -696,8 +696,11 @@ def _sharing(cal) -> str:
     """How the CPU ranks share the host, as bench measured it (empty on GPUs)."""
     if cal.host_cores is None:
         return ""
-    waits = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.collective_amid_compute)
-    across = ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in cal.internode_collective_amid_compute)
+
+    def curve(points) -> str:
+        return ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in points)
+
+    waits, across = curve(cal.collective_amid_compute), curve(cal.internode_collective_amid_compute)
     return (
         f"; {cal.host_cores} cores"
         + (f"; a collective amid compute waits {waits}" if waits else "")

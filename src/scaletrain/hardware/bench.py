@@ -317,11 +317,11 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         "step": [],
     }
     try:
-        kind = "cuda" if plan.gpu_compute else "cpu"
+        device_kind = "cuda" if plan.gpu_compute else "cpu"
         shapes = matmul_shapes(plan.matmul_n) if computes else []
-        sizes = COPY_BYTES[kind] if computes else ()
-        attention = ATTENTION_POINTS[kind] if computes else ()
-        attention_batch = 1 if kind == "cpu" else 4
+        sizes = COPY_BYTES[device_kind] if computes else ()
+        attention = ATTENTION_POINTS[device_kind] if computes else ()
+        attention_batch = 1 if device_kind == "cpu" else 4
         fns, ops = [], 1
         for m, n, k in shapes:
             a = torch.randn(m, k, dtype=plan.dtype, device=device)
@@ -344,7 +344,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
             (s, d, attention_flops(s, d, attention_batch * ATTENTION_HEADS) / t) for (s, d), t in zip(attention, at)
         ]
         res["op"] = [t / ops for t in seconds[len(shapes) + len(sizes) + len(attention) :]]
-        if computes and kind == "cpu":  # a real step op by op (a GPU would need a sync around every op)
+        if computes and device_kind == "cpu":  # a real step op by op (a GPU would need a sync around every op)
             step, _ = tiny_model_step(device, STEP_BATCH, STEP_SEQ)
             step()
             barrier()  # every rank at once, sharing the cores as in training

@@ -199,7 +199,9 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
         measured_inter_collectives=internode or None,
         measured_attention=tuple((sq, d, f) for sq, d, f in cal.attention) or None,
         measured_step_matmul=tuple((m, n, k, f) for m, n, k, f in cal.step_matmul) if cpu and cal.step_matmul else None,
-        measured_step_attention=tuple((sq, d, f) for sq, d, f in cal.step_attention) or None,
+        measured_step_attention=tuple((sq, d, f) for sq, d, f in cal.step_attention)
+        if cpu and cal.step_attention
+        else None,
         measured_step_pointwise_bw=cal.step_pointwise_bw if cpu else None,
         calibration_note=f"calibrated on {cal.host} ({cal.ranks} ranks, {cal.matmul_dtype} matmul)",
     )

@@ -27,6 +27,8 @@ On a CPU (a calibration with the host's cores) two things differ, both measured 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
@@ -115,16 +117,27 @@ def in_step_factors(cluster: Cluster) -> tuple[float, float]:
     """(GEMM, attention) seconds a real training step measured (bench's step_profile, CPU) over what the curves
     give for the same GEMMs and attention: cold operands, fresh outputs and the cores shared over a whole step,
     which the curves' short, cache-warm samples do not see. 1.0 where not measured."""
+    return _in_step_factors(
+        cluster.measured_step_matmul,
+        cluster.measured_matmul_shapes,
+        cluster.measured_step_attention,
+        cluster.measured_attention,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _in_step_factors(step, shapes, step_attention, attention) -> tuple[float, float]:
+    """in_step_factors from the measured points themselves (tuples): computed once per calibration, not once per
+    GEMM priced."""
     mm, att = 1.0, 1.0
-    step, shapes = cluster.measured_step_matmul, cluster.measured_matmul_shapes
     if step and shapes:
         pts = np.asarray(step, dtype=np.float64)
         flops = 2.0 * pts[:, 0] * pts[:, 1] * pts[:, 2]
         mm = float(np.sum(flops / pts[:, 3]) / np.sum(flops / shape_rate(pts[:, 0], pts[:, 1], pts[:, 2], shapes)))
-    if cluster.measured_step_attention and cluster.measured_attention:
-        pts = np.asarray(cluster.measured_step_attention, dtype=np.float64)
+    if step_attention and attention:
+        pts = np.asarray(step_attention, dtype=np.float64)
         flops = pts[:, 0] ** 2 * pts[:, 1]  # the per-head FLOPs' shape; the constant cancels
-        curve = attention_rate(pts[:, 0], pts[:, 1], cluster.measured_attention)
+        curve = attention_rate(pts[:, 0], pts[:, 1], attention)
         att = float(np.sum(flops / pts[:, 2]) / np.sum(flops / curve))
     return mm, att
 
