@@ -73,17 +73,23 @@ def check_plan(spec: Any, tp: int) -> None:
             f"parallel.tp: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
             f"and fused or non-Linear projections cannot be split safely by structure; use parallel.tp=1"
         )
+    if spec.n_experts:
+        # transformers keeps each layer's experts packed in [experts, rows, cols] tensors. Up to 5.24 its TP plan
+        # splits them with its own kernels (packed_colwise, moe_tp_experts: no torch ParallelStyle counterpart);
+        # from 5.25 the plan leaves them out (they moved to base_model_ep_plan), so TP would copy every expert to
+        # every rank. Either way scaletrain's TP does not split them; only a plan splitting them with torch's own
+        # styles (per-expert Linears) passes.
+        experts = {k: s for k, s in plan.items() if "experts" in k}
+        if not experts or any(s not in KNOWN for s in experts.values()):
+            what = ", ".join(sorted(experts)) or "not in its base_model_tp_plan"
+            raise ValueError(
+                f"parallel.tp: {spec.architecture}'s {spec.n_experts} experts ({what}) are packed tensors "
+                f"scaletrain's tensor parallelism does not split; use parallel.tp=1 and shard them with FSDP instead "
+                f"(parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup())"
+            )
     for key, style in plan.items():
         if style in KNOWN:
             continue
-        if spec.n_experts:
-            # transformers keeps each layer's experts packed in [experts, rows, cols] tensors and splits them with
-            # its own kernels (its moe_tp_experts style), which have no torch ParallelStyle counterpart
-            raise ValueError(
-                f"parallel.tp: {spec.architecture}'s {spec.n_experts} experts ({key}) are packed tensors scaletrain's "
-                f"tensor parallelism does not split; use parallel.tp=1 and shard them with FSDP instead "
-                f"(parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup())"
-            )
         raise ValueError(
             f"parallel.tp: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
             f"translate; use parallel.tp=1"
