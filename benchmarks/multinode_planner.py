@@ -5,8 +5,12 @@ job across both nodes (`scaletrain train --nnodes 2`), and the measured median s
 planner's prediction (`scaletrain plan JOB --gpus 4 --gpus-per-node 2 --gpu cpu --calibration CAL`) and both
 rankings. Root only (network namespaces); nothing is left behind.
 
-    sudo python benchmarks/multinode_planner.py [--rates 1gbit,4gbit] [--steps 12] [--repeats 3] [--model small]
-                                                [--json OUT.json] [--set key=value ...]
+    sudo python benchmarks/multinode_planner.py [--rates 1gbit,4gbit] [--steps 25] [--log-every 5] [--repeats 3]
+                                                [--model small] [--json OUT.json] [--set key=value ...]
+
+Step times are measured as benchmarks/layouts.py measures them: the median over logging windows after the first
+(each window's mean step; the loss report's all-reduce and the metrics' collectives fall once per window, as in a
+run that logs every few steps, not on every step as with log_interval=1).
 """
 
 from __future__ import annotations
@@ -68,9 +72,9 @@ def on_nodes(cluster: Cluster, argv: list[list[str]], cwd: Path, timeout: float 
 
 
 def measured_step(run: Path) -> float:
-    """Median step time of a run, seconds, over the logged steps after the first two (warm-up)."""
+    """Median step time of a run, seconds, over its logging windows after the first (warm-up)."""
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in rows if "step_time_s" in r][2:]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r][1:]
     return statistics.median(times)
 
 
@@ -94,7 +98,8 @@ def uptime() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="1gbit,4gbit", help="tc tbf rates of the inter-node link, comma-separated")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--log-every", type=int, default=5, help="steps per logging window")
     ap.add_argument("--repeats", type=int, default=3, help="rounds over every rate; medians are reported")
     ap.add_argument("--model", default="small")
     ap.add_argument("--seq-len", type=int, default=64)
@@ -103,6 +108,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", nargs="*", default=[], help="more job overrides (key=value)")
     args = ap.parse_args()
+    if args.steps < 2 * args.log_every:
+        sys.exit(
+            f"multinode_planner: --steps {args.steps} gives no window after the first; use >= {2 * args.log_every}"
+        )
     why = unavailable()
     if why:
         sys.exit(f"multinode_planner: {why}")
@@ -110,7 +119,7 @@ def main() -> None:
     train_args = [
         *job_args,
         f"train.steps={args.steps}",
-        "monitor.log_interval=1",
+        f"monitor.log_interval={args.log_every}",
         "monitor.progress=false",
         "train.eval_interval=0",
         "train.warmup_steps=2",
@@ -180,7 +189,8 @@ def main() -> None:
             )
     print(
         f"\n2 nodes x 2 CPU ranks, model {args.model}, seq {args.seq_len}, global batch {args.global_batch}, "
-        f"fp32, {args.steps} steps (median after 2), median of {args.repeats} rounds; {os.cpu_count()} cores"
+        f"fp32, {args.steps} steps (median of the {args.log_every}-step windows after the first), median of "
+        f"{args.repeats} rounds; {os.cpu_count()} cores"
     )
     print(
         f"{'layout':<8}{'link':>8}{'measured s':>12}{'predicted s':>13}{'error':>8}{'rank meas':>11}{'rank pred':>11}"

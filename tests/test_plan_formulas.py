@@ -325,3 +325,33 @@ def test_pointwise_bytes_per_block_are_what_the_built_block_moves(dim, ffn):
     bwd = step_profile(lambda: held["out"].backward(torch.ones_like(held["out"])), 1)["pointwise"][0] / tokens / 4
     assert fwd == pytest.approx(POINTWISE_FWD_H * dim + POINTWISE_FWD_FFN * ffn, rel=0.02)
     assert bwd == pytest.approx(POINTWISE_BWD_H * dim + POINTWISE_BWD_FFN * ffn, rel=0.02)
+
+
+def test_optimizer_bytes_per_parameter_are_what_a_step_moves():
+    """steptime.ADAMW_BYTES_PER_PARAM: Job.step's memory-bound ops (the global norm, the clip, foreach AdamW as
+    train/optim.py builds it) per parameter, counted op by op as bench's step_profile counts a step's."""
+    from scaletrain.config.schema import TrainConfig
+    from scaletrain.hardware.bench import step_profile
+    from scaletrain.models import preset_spec
+    from scaletrain.models.llama.model import Llama
+    from scaletrain.plan.steptime import ADAMW_BYTES_PER_PARAM
+    from scaletrain.train.job import clip_grads_, global_grad_norm
+    from scaletrain.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = Llama(preset_spec("tiny").shape())
+    params = list(model.parameters())
+    optimizer = build_optimizer(model, TrainConfig())
+
+    grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
+
+    def step():
+        for p, g in zip(params, grads.pop()):
+            p.grad = g
+        norm = global_grad_norm(params)
+        clip_grads_(params, 1.0, norm)
+        optimizer.step()
+
+    step()  # the first step allocates AdamW's state
+    moved = step_profile(step, 1)["pointwise"][0]
+    assert moved / sum(p.numel() for p in params) == pytest.approx(ADAMW_BYTES_PER_PARAM, rel=0.02)

@@ -161,9 +161,10 @@ def test_attention_and_a_real_steps_kernels_come_from_the_measurement():
     assert sum(attention_seconds(512.0, 64.0, 2.0, s)) == pytest.approx(4 * sum(attention_seconds(512.0, 64.0, 2.0, c)))
     assert pointwise_seconds(1e9, 1e6, s) == pytest.approx(0.5)  # 1 GB at the step's 2 GB/s, whatever the kernel
     assert pointwise_seconds(1e9, 1e6, c) == pytest.approx(0.1)  # else the copy curve's 10 GB/s
-    # and the step as a whole: slower by exactly what the measurement says, every line else unchanged
+    # and the step as a whole: slower by exactly what the measurement says; the optimizer's memory traffic also
+    # runs at the step's bandwidth (2 GB/s instead of the copy curve's 10)
     a, b = evaluate_layout(WORK, c, DDP4), evaluate_layout(WORK, s, DDP4)
-    assert b.time["compute"] > 2 * a.time["compute"] and b.time["optimizer"] == a.time["optimizer"]
+    assert b.time["compute"] > 2 * a.time["compute"] and b.time["optimizer"] == pytest.approx(5 * a.time["optimizer"])
     # a GPU calibration (no cores) keeps no in-step figures
     assert cluster(dataclasses.replace(step, host_cores=None)).measured_step_pointwise_bw is None
 

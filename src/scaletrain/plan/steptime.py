@@ -63,7 +63,11 @@ LOSS_BYTES_PER_VOCAB = 24.0
 # (q 1h, k/v 2·kv, wo 1h, w1/w3 2·ffn, w2 1h); each element read twice (amax, then scale) in bf16, written in fp8
 FP8_CAST_BYTES_PER_ELEMENT = 5.0
 GRAD_ACCUMULATOR_BYTES = 4.0  # gradients accumulate in fp32 (FSDP2's reduce dtype, Megatron's main_grad)
-ADAMW_BYTES_PER_PARAM = 32.0  # foreach AdamW reads p, g, m, v and writes p, m, v (fp32) + the clip norm's read
+# bytes per local parameter of one optimizer step (Job.step: the global gradient norm, the clip and torch's
+# foreach AdamW, fp32), as bench's step_profile counts memory-bound ops (the tensors in and out of each op): counted
+# on the built-in model, 64 (tests/test_plan_formulas.py counts them again). The p, g, m, v reads and p, m, v writes
+# alone would be 28; foreach AdamW's intermediates (sqrt(v), its bias correction, + eps) and the clip add the rest.
+ADAMW_BYTES_PER_PARAM = 64.0
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
 # counts them again with a TorchDispatchMode); checkpointed blocks re-run their forward inside backward
@@ -288,7 +292,8 @@ def time_breakdown(
     dispatch_mb = dispatch if cluster.gpu.name == "cpu" else np.maximum(0.0, dispatch - mb)
     mb = mb + dispatch_mb
     ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)
-    optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / bw
+    # a CPU calibration: at the bandwidth of a real step's memory-bound ops, counted as ADAMW_BYTES_PER_PARAM is
+    optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / (cluster.measured_step_pointwise_bw or bw)
 
     lines = {
         "compute": m * compute_mb,
