@@ -41,6 +41,15 @@ def test_calibration_with_curves_round_trips_and_refuses_bad_points(tmp_path):
     text = path.read_text()
     assert "\nmatmul = [" in text and "\nall_gather = [" in text
     assert load_calibration(path) == cal
+    scatter = dataclasses.replace(
+        cal, reducescatter_busbw=0.25e9, reducescatter_latency_s=80e-6, reduce_scatter=((4096.0, 1e-3),)
+    )
+    save_calibration(scatter, path)
+    assert load_calibration(path) == scatter
+    path.write_text(path.read_text().replace("reducescatter_busbw = 250000000.0", "reducescatter_busbw = -1"))
+    with pytest.raises(CalibrationError, match="reducescatter_busbw: must be a positive number"):
+        load_calibration(path)
+    path.write_text(text)
     path.write_text(text.replace("bandwidth = 10000000000.0", "bandwidth = 0", 1))
     with pytest.raises(CalibrationError, match=r"copy\[\d\]\.bandwidth: must be a positive number"):
         load_calibration(path)
@@ -73,7 +82,13 @@ def test_collectives_use_the_measured_latency_and_bandwidth_per_kind():
     S = 8e6
     assert collective_seconds("all_reduce", S, 4, 1, cluster) == pytest.approx(2 * 3 / 4 * S / 1e9 + 2 * 3 * 100e-6)
     assert collective_seconds("all_gather", S, 4, 1, cluster) == pytest.approx(3 / 4 * S / 0.5e9 + 3 * 50e-6)
+    # a file without a measured reduce-scatter: as an all-gather, which moves as much
     assert collective_seconds("reduce_scatter", S, 4, 1, cluster) == collective_seconds("all_gather", S, 4, 1, cluster)
+    # measured (gloo's costs about an all-reduce): its own fit, the other kinds unchanged
+    cal = dataclasses.replace(calibration(), reducescatter_busbw=0.25e9, reducescatter_latency_s=80e-6)
+    measured = apply_calibration(make_cluster("cpu", 4, gpus_per_node=4), cal)
+    assert collective_seconds("reduce_scatter", S, 4, 1, measured) == pytest.approx(3 / 4 * S / 0.25e9 + 3 * 80e-6)
+    assert collective_seconds("all_gather", S, 4, 1, measured) == collective_seconds("all_gather", S, 4, 1, cluster)
     # the fit bench applies recovers latency and bus bandwidth from exact points of the ring model
     pts = [(b, 6 * 100e-6 + 1.5 * b / 1e9) for b in (4096, 65536, 2**20, 16 * 2**20)]
     lat, busbw = fit_latency_bandwidth(pts, steps=6, volume=1.5)

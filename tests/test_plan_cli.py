@@ -194,6 +194,8 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     assert len(measured.matmul) >= 6 and len(measured.copy) >= 3
     assert [b for b, _ in measured.all_reduce][-1] == 2**20 and len(measured.all_gather) == len(measured.all_reduce)
     assert measured.allreduce_latency_s is not None and measured.allgather_busbw > 0
+    assert len(measured.reduce_scatter) == len(measured.all_reduce) and measured.reducescatter_busbw > 0
+    assert "reduce-scatter" in p.stdout
     # a CPU host: its usable cores and the wait of a collective amid compute at each measured gap
     assert measured.host_cores >= 1 and len(measured.collective_amid_compute) == 4 and "cores" in p.stdout
     # causal attention forward + backward at every (seq, head dim) point, and a real step measured op by op: its

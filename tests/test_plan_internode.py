@@ -65,6 +65,14 @@ def test_collectives_spanning_nodes_are_priced_at_the_measured_inter_node_ring()
     assert collective_seconds("all_reduce", S, 4, 1, cluster) == pytest.approx(2 * 3 / 4 * S / B + 2 * 3 * LAT)
     assert collective_seconds("all_gather", S, 4, 1, cluster) == pytest.approx(3 / 4 * S / B + 3 * LAT)
     assert collective_seconds("reduce_scatter", S, 4, 1, cluster) == collective_seconds("all_gather", S, 4, 1, cluster)
+    # a measured reduce-scatter (gloo's: at about an all-reduce's cost) is priced with its own fit
+    pts = [(b, 3 * LAT + 3 / 4 * b / (B / 2)) for b in (2.0**16, 2.0**20, 2.0**24)]
+    ar, ag = [(b, 6 * LAT + 1.5 * b / B) for b, _ in pts], [(b, 3 * LAT + 0.75 * b / B) for b, _ in pts]
+    fields = internode_fields({"all_reduce": ar, "all_gather": ag, "reduce_scatter": pts}, 2, 2)
+    assert fields["internode_reducescatter_busbw"] == pytest.approx(B / 2)
+    scatter = cluster_of(dataclasses.replace(calibration(B), **fields))
+    assert collective_seconds("reduce_scatter", S, 4, 1, scatter) == pytest.approx(3 / 4 * S / (B / 2) + 3 * LAT)
+    assert collective_seconds("all_gather", S, 4, 1, scatter) == collective_seconds("all_gather", S, 4, 1, cluster)
     # HSDP 2x2: the replicate groups (one rank per node, 2 ranks apart) run at once and share each node's link
     assert collective_seconds("all_reduce", S, 2, 2, cluster) == pytest.approx(2 * 1 / 2 * S / (B / 2) + 2 * LAT)
     # ... its shard groups stay inside a node, at the intra-node figures

@@ -51,6 +51,8 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     # one ring stream per node link: at most the line rate (tbf's 256 KB burst and the fit's noise: 1.2x)
     assert inter < 1.2 * LINE_RATE, f"inter-node busbw {inter / 1e9:.3f} GB/s on a 1 Gbit/s link"
     assert cal.internode_allgather_busbw < 1.2 * LINE_RATE
+    assert len(cal.internode_reduce_scatter) == 3 and cal.internode_reducescatter_busbw is not None
+    assert cal.internode_reducescatter_busbw < 1.2 * LINE_RATE
     assert inter < intra / 2, f"inter-node {inter / 1e9:.3f} GB/s vs inside a node {intra / 1e9:.3f} GB/s"
     # the planner prices DDP's ring over both nodes with it, HSDP's shard groups inside a node without it
     plan = apply_calibration(make_plan_cluster("cpu", 4, gpus_per_node=2), cal)

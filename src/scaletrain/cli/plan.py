@@ -641,13 +641,14 @@ def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> 
         comm = (
             f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s + {(cal.allreduce_latency_s or 0) * 1e6:.0f} us "
             f"per step, all-gather {cal.allgather_busbw / 1e9:,.2f} GB/s + "
-            f"{(cal.allgather_latency_s or 0) * 1e6:.0f} us over {cal.ranks} ranks"
+            f"{(cal.allgather_latency_s or 0) * 1e6:.0f} us{_scatter(cal)} over {cal.ranks} ranks"
         )
     if cal.nodes and cal.internode_allreduce_busbw and cal.internode_allgather_busbw:
         comm += (
             f"; across {cal.nodes} nodes all-reduce busbw {cal.internode_allreduce_busbw / 1e9:,.3f} GB/s + "
             f"{(cal.internode_allreduce_latency_s or 0) * 1e6:.0f} us per step, all-gather "
             f"{cal.internode_allgather_busbw / 1e9:,.3f} GB/s + {(cal.internode_allgather_latency_s or 0) * 1e6:.0f} us"
+            f"{_scatter(cal, 'internode_')}"
         )
     click.echo(
         f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
@@ -655,6 +656,15 @@ def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> 
         f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
         f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op{_attention(cal)}; {comm}{_sharing(cal)} -> {output}"
     )
+
+
+def _scatter(cal, prefix: str = "") -> str:
+    """The reduce-scatter fit (inside a node, or across nodes with prefix "internode_") for bench's summary line."""
+    busbw, latency = getattr(cal, f"{prefix}reducescatter_busbw"), getattr(cal, f"{prefix}reducescatter_latency_s")
+    if not busbw:
+        return ""
+    digits = 3 if prefix else 2
+    return f", reduce-scatter {busbw / 1e9:,.{digits}f} GB/s + {(latency or 0) * 1e6:.0f} us"
 
 
 def _attention(cal) -> str:

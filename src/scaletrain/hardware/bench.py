@@ -47,6 +47,9 @@ ROUNDS = 7
 # (a compute shorter than a time slice runs at a whole core's pace); the file records the gap as measured
 SYNC_MATMULS = (2, 8, 32, 96)
 SYNC_BYTES = 64 * KIB  # the gathered message: latency-bound, so that the extra wait is what the sample shows
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # timed between the ranks at each message size
+
 # causal attention (scaled_dot_product_attention, forward + backward) measured at these (sequence length, head dim)
 # points: one sequence of ATTENTION_HEADS heads on a CPU, four on a GPU
 ATTENTION_POINTS = {
@@ -67,6 +70,15 @@ def matmul_shapes(n: int) -> list[tuple[int, int, int]]:
     # n x n/8 x n/8 and n/2 x n/2 x n/8: working sets between the squares', where a CPU's rate falls off its cache
     shapes += [(d(4), d(4), d(32)), (n, n, d(32)), (n, d(8), d(8)), (d(2), d(2), d(8))]
     return list(dict.fromkeys(shapes))
+
+
+def collective_functions():
+    """(all-gather, reduce-scatter) into/from one flat tensor: torch 2.13 renamed all_gather_into_tensor and
+    reduce_scatter_tensor (deprecated there) to all_gather_single and reduce_scatter_single."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather, getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _median_seconds(fn, sync, inner: int, samples: int = 5) -> float:
@@ -313,6 +325,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
         "op": [],
         "all_reduce": [],
         "all_gather": [],
+        "reduce_scatter": [],
         "sync": [],
         "step": [],
     }
@@ -351,8 +364,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
             res["step"] = [step_profile(step, STEP_REPEATS)]
         if port is not None:
             cdev = device if nccl else "cpu"
-            # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather, scatter = collective_functions()
             for nbytes in plan.collective_bytes:
                 t = torch.ones(nbytes // 4, dtype=torch.float32, device=cdev)
                 gathered = torch.empty(world * (nbytes // 4 // world), dtype=torch.float32, device=cdev)
@@ -360,6 +372,7 @@ def _measure(rank: int, world: int, port: int | None, plan: BenchPlan, out) -> N
                 for kind, fn in (
                     ("all_reduce", partial(dist.all_reduce, t)),
                     ("all_gather", partial(gather, gathered, part)),
+                    ("reduce_scatter", partial(scatter, torch.empty_like(part), gathered)),
                 ):
                     barrier()
                     inner = min(5, max(1, 64 * KIB // nbytes))  # the same count on every rank
@@ -464,11 +477,12 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
 
     matmul, copy, attention = mean_curve("matmul", 3), mean_curve("copy", 1), mean_curve("attention", 2)
     step = _step_figures([r["step"][0] for r in ranks if r["step"]])
-    fits: dict[str, tuple[float, float] | tuple[None, None]] = {"all_reduce": (None, None), "all_gather": (None, None)}
+    fits: dict[str, tuple[float, float] | tuple[None, None]] = dict.fromkeys(COLLECTIVES, (None, None))
     if nproc > 1:
         n = float(nproc)
         fits["all_reduce"] = fit_latency_bandwidth(results[0]["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
         fits["all_gather"] = fit_latency_bandwidth(results[0]["all_gather"], n - 1, (n - 1) / n)
+        fits["reduce_scatter"] = fit_latency_bandwidth(results[0]["reduce_scatter"], n - 1, (n - 1) / n)
     # the wait amid compute: what the all-gather cost there beyond what its fit charges (the planner charges both);
     # a point's values must be positive (calibration files)
     lat, busbw = fits["all_gather"]
@@ -488,10 +502,13 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
         allreduce_latency_s=fits["all_reduce"][0],
         allgather_busbw=fits["all_gather"][1],
         allgather_latency_s=fits["all_gather"][0],
+        reducescatter_busbw=fits["reduce_scatter"][1],
+        reducescatter_latency_s=fits["reduce_scatter"][0],
         matmul=matmul,
         copy=copy,
         all_reduce=tuple(results[0]["all_reduce"]),
         all_gather=tuple(results[0]["all_gather"]),
+        reduce_scatter=tuple(results[0]["reduce_scatter"]),
         host_cores=None if on_gpu else _usable_cores(),
         collective_amid_compute=sync,
         attention=attention,

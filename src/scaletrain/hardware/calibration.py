@@ -29,9 +29,11 @@ POINT_KEYS: dict[str, tuple[str, ...]] = {
     "copy": ("bytes", "bandwidth"),  # a copy of `bytes` at `bandwidth` bytes/s, read + write counted
     "all_reduce": ("bytes", "seconds"),  # one collective of `bytes` (the full message per rank), seconds
     "all_gather": ("bytes", "seconds"),  # `bytes`: the gathered output
+    "reduce_scatter": ("bytes", "seconds"),  # `bytes`: the full input each rank reduces (files before it: none)
     # the same, over every rank of every node (`scaletrain bench --nodes N`)
     "internode_all_reduce": ("bytes", "seconds"),
     "internode_all_gather": ("bytes", "seconds"),
+    "internode_reduce_scatter": ("bytes", "seconds"),
     # CPU: an all-gather over every rank of every node after compute on each, as collective_amid_compute
     "internode_collective_amid_compute": ("gap_s", "extra_s"),
     # CPU: seconds of compute between two collectives, and what one all-gather then costs beyond it and its own time
@@ -59,11 +61,16 @@ class Calibration:
     allreduce_latency_s: float | None = None  # fitted latency per ring step, seconds
     allgather_busbw: float | None = None  # bytes/s, algbw x (n-1)/n
     allgather_latency_s: float | None = None
+    # gloo reduces-scatters at about an all-reduce's cost (4 CPU ranks: 8.1 ms where an all-gather of the same
+    # message takes 4.9), so it is measured, not taken as an all-gather; files before it: none (all-gather's used)
+    reducescatter_busbw: float | None = None  # bytes/s, algbw x (n-1)/n
+    reducescatter_latency_s: float | None = None
     # measured points, tuples in POINT_KEYS order (files written before the curves: empty)
     matmul: tuple[tuple[float, ...], ...] = ()
     copy: tuple[tuple[float, ...], ...] = ()
     all_reduce: tuple[tuple[float, ...], ...] = ()
     all_gather: tuple[tuple[float, ...], ...] = ()
+    reduce_scatter: tuple[tuple[float, ...], ...] = ()
     # measured by `scaletrain bench --nodes N` (hardware/internode.py; one node: none): one ring over the `ranks`
     # ranks of each of `nodes` nodes, so every node's link carries one stream of it; busbw and latency per ring
     # step as above. The figures above are then those inside one node, measured at the same time on every node.
@@ -72,8 +79,11 @@ class Calibration:
     internode_allreduce_latency_s: float | None = None
     internode_allgather_busbw: float | None = None
     internode_allgather_latency_s: float | None = None
+    internode_reducescatter_busbw: float | None = None
+    internode_reducescatter_latency_s: float | None = None
     internode_all_reduce: tuple[tuple[float, ...], ...] = ()
     internode_all_gather: tuple[tuple[float, ...], ...] = ()
+    internode_reduce_scatter: tuple[tuple[float, ...], ...] = ()
     internode_collective_amid_compute: tuple[tuple[float, ...], ...] = ()
     # the host's CPU sharing (bench on a CPU; None on GPUs and in older files): the cores the ranks may run on
     # (os.sched_getaffinity), and the extra wait of a collective amid compute over `ranks` ranks (POINT_KEYS)
@@ -140,8 +150,10 @@ def load_calibration(path: str | Path) -> Calibration:
     if missing:
         raise CalibrationError(f"{where}: {missing[0]}: missing; rerun `scaletrain bench`")
     figures = ("matmul_flops", "memory_bw", "allreduce_busbw", "op_overhead_s", "allreduce_latency_s")
-    internode = ("nodes", *(f"internode_{c}_{f}" for c in ("allreduce", "allgather") for f in ("busbw", "latency_s")))
-    for key in (*figures, "allgather_busbw", "allgather_latency_s", "step_pointwise_bw", *internode):
+    kinds = ("allreduce", "allgather", "reducescatter")
+    internode = ("nodes", *(f"internode_{c}_{f}" for c in kinds for f in ("busbw", "latency_s")))
+    intra = (f"{c}_{f}" for c in kinds[1:] for f in ("busbw", "latency_s"))
+    for key in (*figures, *intra, "step_pointwise_bw", *internode):
         if key in tree and not _positive(tree[key]) and not (key.endswith("latency_s") and tree[key] == 0):
             raise CalibrationError(f"{where}: {key}: must be a positive number (got {tree[key]!r})")
     cores = tree.get("host_cores")
@@ -158,10 +170,16 @@ def intensity(m: float, n: float, k: float) -> float:
     return 2.0 * m * n * k / (m * k + k * n + m * n)
 
 
-def _fits(ar_latency, ar_busbw, ag_latency, ag_busbw) -> tuple[tuple[str, float, float], ...]:
-    """(kind, latency per ring step, bus bandwidth) of the all-reduce and all-gather fits a calibration holds."""
-    pairs = (("all_reduce", ar_latency, ar_busbw), ("all_gather", ag_latency, ag_busbw))
-    return tuple((kind, lat, bw) for kind, lat, bw in pairs if bw and lat is not None)
+def _fits(cal: Calibration, prefix: str = "") -> tuple[tuple[str, float, float], ...]:
+    """(kind, latency per ring step, bus bandwidth) of the all-reduce, all-gather and reduce-scatter fits a
+    calibration holds, inside a node (prefix "") or across nodes ("internode_")."""
+    out = []
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        name = prefix + kind.replace("_", "")
+        lat, bw = getattr(cal, f"{name}_latency_s"), getattr(cal, f"{name}_busbw")
+        if bw and lat is not None:
+            out.append((kind, lat, bw))
+    return tuple(out)
 
 
 def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
@@ -172,13 +190,7 @@ def apply_calibration(cluster: Cluster, cal: Calibration) -> Cluster:
             f"--calibration: measured on {cal.device!r}, but the plan is for "
             f"{cluster.gpu.name!r}; use --gpu {cal.device} or drop --calibration"
         )
-    collectives = _fits(cal.allreduce_latency_s, cal.allreduce_busbw, cal.allgather_latency_s, cal.allgather_busbw)
-    internode = _fits(
-        cal.internode_allreduce_latency_s,
-        cal.internode_allreduce_busbw,
-        cal.internode_allgather_latency_s,
-        cal.internode_allgather_busbw,
-    )
+    collectives, internode = _fits(cal), _fits(cal, "internode_")
     # bench records the cores only on a CPU host: there, GEMMs are costed by shape (cache, plan/efficiency.py) and a
     # collective amid compute pays the measured extra wait
     cpu = cal.host_cores is not None

@@ -153,16 +153,17 @@ class Cluster:
 
     def intra_collective(self, kind: str) -> tuple[float, float]:
         """(latency per ring step in s, bus bandwidth in bytes/s) of a collective inside a node: measured by
-        `scaletrain bench` for this kind (a reduce-scatter moves what an all-gather moves), else the link's."""
+        `scaletrain bench` for this kind (a reduce-scatter it did not measure: as an all-gather, which moves as
+        much), else the link's."""
         measured = {k: (lat, bw) for k, lat, bw in self.measured_collectives or ()}
-        key = "all_gather" if kind == "reduce_scatter" else kind
+        key = "all_gather" if kind == "reduce_scatter" and kind not in measured else kind
         return measured.get(key, (self.intra_link.latency_s, self.intra_bw))
 
     def inter_collective(self, kind: str) -> tuple[float, float] | None:
         """(latency per ring step in s, bus bandwidth in bytes/s) of a ring spanning nodes, measured by
-        `scaletrain bench --nodes` for this kind (a reduce-scatter moves what an all-gather moves); None if not."""
+        `scaletrain bench --nodes` for this kind (an unmeasured reduce-scatter as an all-gather); None if not."""
         measured = {k: (lat, bw) for k, lat, bw in self.measured_inter_collectives or ()}
-        return measured.get("all_gather" if kind == "reduce_scatter" else kind)
+        return measured.get("all_gather" if kind == "reduce_scatter" and kind not in measured else kind)
 
     @property
     def inter_bw_per_gpu(self) -> float:

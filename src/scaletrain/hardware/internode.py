@@ -1,22 +1,33 @@
 """Bus bandwidth between nodes, for `scaletrain bench --nodes N` (its agents: launch/bench_nodes.py).
 
 Every node first runs the local bench (hardware/bench.py: compute curves and collectives between its own ranks over
-127.0.0.1) at the same time as the others (started together after a barrier: simulated nodes share one
-machine's cores, and the compute is meant to be measured while every node's ranks run). Then the ranks of all nodes (--nproc per node, numbered node by
-node as in training) time all-reduce and all-gather over the whole world at several message sizes
-(measure_world_collectives), fitted to latency + bandwidth (fit_seconds). A ring over ranks numbered node by node
-crosses each node's link once, so its bus bandwidth is what one stream of a collective gets between nodes (or the
-intra-node rate, if that is slower). Node 0 writes the calibration with both sets of figures.
+127.0.0.1) at the same time as the others (started together after a barrier: simulated nodes share one machine's
+cores, and the compute is meant to be measured while every node's ranks run). Then the ranks of all nodes (--nproc
+per node, numbered node by node as in training) time all-reduce, all-gather and reduce-scatter over the whole world
+at several message sizes (measure_world_collectives), fitted to latency + bandwidth (fit_seconds), then the same
+inside each node with every node at it at once; those replace the local bench's figures inside a node. A ring over
+ranks numbered node by node crosses each node's link once, so its bus bandwidth is what one stream of a collective
+gets between nodes (or the intra-node rate, if that is slower). Node 0 writes the calibration with both sets of
+figures.
 """
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import numpy as np
 import torch
 
-from scaletrain.hardware.bench import KIB, MIB, SYNC_BYTES, _median_seconds, _sync_extra_seconds
+from scaletrain.hardware.bench import (
+    KIB,
+    MIB,
+    SYNC_BYTES,
+    _median_seconds,
+    _sync_extra_seconds,
+    collective_functions,
+    fit_latency_bandwidth,
+)
 
 INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
 SAMPLES = 5
@@ -33,39 +44,60 @@ def message_sizes(max_bytes: int) -> tuple[int, ...]:
 
 
 def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") -> dict[str, list[tuple[int, float]]]:
-    """One rank under the torchrun agent: all-reduce and all-gather over every rank of every node at each of
-    `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The all-gather's bytes
-    are its gathered output, as in bench.py. On CPUs also "sync": what an all-gather over every rank costs after
-    compute on every rank (bench.py's _sync_extra_seconds, over the nodes), as rank 0 measured it."""
+    """One rank under the torchrun agent: all-reduce, all-gather and reduce-scatter over every rank of every node
+    at each of `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The
+    all-gather's bytes are its gathered output and the reduce-scatter's its full input, as in bench.py. On CPUs
+    also "sync": what an all-gather over every rank costs after compute on every rank (bench.py's
+    _sync_extra_seconds, over the nodes), as rank 0 measured it.
+
+    Then the same inside each node ("node_" + kind, "node_sync"; more than one rank per node), every node at
+    once, as training runs them: the local bench measured them while the other nodes were at other work, or done
+    (simulated nodes share one machine's cores, and a node alone on them waits less on its own collectives)."""
     import torch.distributed as dist
 
     from scaletrain.parallel.runtime import init_distributed, shutdown_distributed
 
     rt = init_distributed(device_type, timeout_s=STORE_TIMEOUT_S)
-    world, device = rt.world_size, rt.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # NCCL collectives return early
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    out: dict[str, list] = {"all_reduce": [], "all_gather": [], "sync": []}
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    out: dict[str, list] = {}
     try:
-        for nbytes in sizes:
-            t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-            part = t[: nbytes // 4 // world]
-            gathered = torch.empty(world * part.numel(), dtype=torch.float32, device=device)
-            for kind, fn, size in (
-                ("all_reduce", partial(dist.all_reduce, t), nbytes),
-                ("all_gather", partial(gather, gathered, part), gathered.numel() * 4),
-            ):
-                dist.barrier()
-                inner = min(5, max(1, MIB // nbytes))  # the same count on every rank
-                slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
-                out[kind].append((size, float(slowest.cpu())))
-        if device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective across nodes amid compute
-            points = torch.tensor(_sync_extra_seconds(world, dist.barrier, gather), dtype=torch.float64)
-            dist.broadcast(points, 0)  # rank 0's, on every rank (the agent returns any rank's)
-            out["sync"] = [(float(g), float(c)) for g, c in points]
+        out |= _time_collectives(sizes, rt.world_size, None, rt.device)
+        if per_node > 1:
+            node, _ = dist.new_subgroups(group_size=per_node)  # ranks are numbered node by node, as in training
+            out |= {f"node_{k}": v for k, v in _time_collectives(sizes, per_node, node, rt.device).items()}
     finally:
         shutdown_distributed()
+    return out
+
+
+def _time_collectives(sizes: tuple[int, ...], size: int, group, device) -> dict[str, list]:
+    """Every kind at every message size over `group` (None: the world) of `size` ranks, and on CPUs the wait of
+    an all-gather amid compute; every rank of the world takes part (a world barrier before each, the slowest
+    rank's seconds)."""
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # NCCL collectives return early
+    gather, scatter = collective_functions()
+    gather, scatter = partial(gather, group=group), partial(scatter, group=group)
+    out: dict[str, list] = {"all_reduce": [], "all_gather": [], "reduce_scatter": []}
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        part = t[: nbytes // 4 // size]
+        gathered = torch.empty(size * part.numel(), dtype=torch.float32, device=device)
+        for kind, fn, nbytes_of in (
+            ("all_reduce", partial(dist.all_reduce, t, group=group), nbytes),
+            ("all_gather", partial(gather, gathered, part), gathered.numel() * 4),
+            ("reduce_scatter", partial(scatter, torch.empty_like(part), gathered), gathered.numel() * 4),
+        ):
+            dist.barrier()
+            inner = min(5, max(1, MIB // nbytes))  # the same count on every rank
+            slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
+            out[kind].append((nbytes_of, float(slowest.cpu())))
+    if device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective amid compute
+        points = torch.tensor(_sync_extra_seconds(size, dist.barrier, gather), dtype=torch.float64)
+        dist.broadcast(points, 0)  # rank 0's, on every rank (the agent returns any rank's)
+        out["sync"] = [(float(g), float(c)) for g, c in points]
     return out
 
 
@@ -88,6 +120,8 @@ def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict
     n = float(nodes * per_node)
     ar_lat, ar_bw = fit_seconds(points["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
     ag_lat, ag_bw = fit_seconds(points["all_gather"], n - 1, (n - 1) / n)
+    # files and callers from before the reduce-scatter was measured: the planner then takes it as an all-gather
+    rs = fit_seconds(points["reduce_scatter"], n - 1, (n - 1) / n) if points.get("reduce_scatter") else (None, None)
     alone = (n - 1) * ag_lat + (n - 1) / n * SYNC_BYTES / ag_bw
     return {
         "nodes": nodes,
@@ -95,9 +129,35 @@ def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict
         "internode_allreduce_latency_s": ar_lat,
         "internode_allgather_busbw": ag_bw,
         "internode_allgather_latency_s": ag_lat,
+        "internode_reducescatter_busbw": rs[1],
+        "internode_reducescatter_latency_s": rs[0],
         "internode_all_reduce": tuple(points["all_reduce"]),
         "internode_all_gather": tuple(points["all_gather"]),
+        "internode_reduce_scatter": tuple(points.get("reduce_scatter", ())),
         "internode_collective_amid_compute": tuple((g, max(c - alone, 1e-9)) for g, c in points.get("sync", ())),
+    } | _node_fields(points, per_node)
+
+
+def _node_fields(points: dict[str, list], per_node: int) -> dict:
+    """The figures inside a node measured with every node at work (measure_world_collectives' "node_" points),
+    fitted as bench.py fits its own: they replace the local bench's. None measured (one rank per node): none."""
+    if not points.get("node_all_reduce"):
+        return {}
+    n = float(per_node)
+    fits = {
+        kind: fit_latency_bandwidth(points[f"node_{kind}"], (2 if kind == "all_reduce" else 1) * (n - 1), volume)
+        for kind, volume in (
+            ("all_reduce", 2 * (n - 1) / n),
+            ("all_gather", (n - 1) / n),
+            ("reduce_scatter", (n - 1) / n),
+        )
+    }
+    ag_lat, ag_bw = fits["all_gather"]
+    alone = (n - 1) * ag_lat + (n - 1) / n * SYNC_BYTES / ag_bw
+    return {
+        **{f"{kind.replace('_', '')}_{f}": fits[kind][i] for kind in fits for i, f in ((1, "busbw"), (0, "latency_s"))},
+        **{kind: tuple(points[f"node_{kind}"]) for kind in fits},
+        "collective_amid_compute": tuple((g, max(c - alone, 1e-9)) for g, c in points.get("node_sync", ())),
     }
 
 
