@@ -131,3 +131,19 @@ def test_pcie_width_and_sharing_with_recorded_nvml(monkeypatch) -> None:
     rows = {r.name: r for r in checks.check_gpus(FakeNVML())}
     assert rows["gpus visible"].status == "pass" and "2 x NVIDIA H100" in rows["gpus visible"].detail
     assert rows["gpus not shared"].status == "warn" and "pid 4321" in rows["gpus not shared"].detail
+
+
+def test_doctor_across_nodes_refuses_flags_that_do_not_go_together_in_one_line() -> None:
+    """`doctor --nodes` (run across simulated nodes in tests/cluster/test_bench_nodes.py): flags that cannot meet
+    are one line and exit 2, before any local check runs."""
+    cases = {
+        ("--nodes", "2"): "also give --node-rank 0..1 and --rdzv-endpoint HOST:PORT on every node",
+        ("--node-rank", "0"): "only with --nodes N (N >= 2); drop them for a one-node doctor",
+        ("--nodes", "2", "--node-rank", "2", "--rdzv-endpoint", "10.0.0.1:29500"): "is not below --nodes 2",
+        ("--nodes", "2", "--node-rank", "0", "--rdzv-endpoint", "nohostport"): "'nohostport' is not host:port",
+    }
+    for args, message in cases.items():
+        res = CliRunner().invoke(main, ["doctor", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert message in res.output and len(res.output.strip().splitlines()) == 1, res.output
+        assert "--rdzv-endpoint" in res.output or "--node" in res.output

@@ -59,3 +59,42 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     S = 16e6
     assert collective_seconds("all_reduce", S, 4, 1, plan) >= 1.5 * S / inter
     assert collective_seconds("all_reduce", S, 2, 1, plan) < 1.5 * S / inter
+
+
+def _doctor(cluster, tmp_path, port: int, nproc: list[int]) -> list[tuple[str, str, int]]:
+    procs = [
+        node.popen(
+            [sys.executable, "-m", "scaletrain.cli.main", "doctor", "--no-bandwidth", "--json", "--nodes", "2"]
+            + ["--node-rank", str(node.index), "--rdzv-endpoint", f"198.51.100.1:{port}", "--nproc", str(nproc[i])],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, node in enumerate(cluster.nodes)
+    ]
+    return [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+
+
+@pytest.mark.slow
+def test_doctor_across_nodes_checks_they_agree_and_measures_the_link(cluster, tmp_path):
+    import json
+
+    for out, err, rc in _doctor(cluster, tmp_path, 29411, [2, 2]):
+        assert "Traceback" not in err, err[-3000:]
+        rows = {r["name"]: r for r in json.loads(out)}
+        assert rc == 0, [r for r in rows.values() if r["status"] == "fail"]
+        assert rows["nodes agree"]["status"] == "pass", rows["nodes agree"]
+        inter = rows["inter-node bus bandwidth"]["detail"]
+        assert "over 2 x 2 ranks" in inter and "reduce-scatter" in inter
+        # the all-reduce across the shaped link: at most its line rate (tbf's burst and noise: 1.2x)
+        busbw = float(inter.split("all-reduce ")[1].split(" GB/s")[0]) * 1e9
+        assert 0 < busbw < 1.2 * LINE_RATE
+        assert "every node at once" in rows["intra-node bus bandwidth"]["detail"]
+    # nodes that disagree (another --nproc) are told which and how, in one line; nothing is measured
+    results = _doctor(cluster, tmp_path, 29412, [2, 3])
+    for out, err, rc in results:
+        assert "Traceback" not in err, err[-3000:]
+        rows = {r["name"]: r for r in json.loads(out)}
+        assert rc == 1 and rows["nodes agree"]["status"] == "fail" and "inter-node bus bandwidth" not in rows
+        assert "node 1 (198.51.100.2) has --nproc 3 but node 0" in rows["nodes agree"]["detail"]

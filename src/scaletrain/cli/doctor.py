@@ -19,14 +19,52 @@ _MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
     default=None,
     help="Local ranks for the all-reduce (default: every GPU, or 2 CPU ranks).",
 )
-def doctor(as_json: bool, no_bandwidth: bool, nproc: int | None) -> None:
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Nodes, one `scaletrain doctor` each (as `train --nnodes`): also check that they agree and measure "
+    "all-reduce, all-gather and reduce-scatter across them.",
+)
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="With --nodes: this node's number.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
+def doctor(
+    as_json: bool, no_bandwidth: bool, nproc: int | None, nodes: int, node_rank: int | None, rdzv_endpoint: str | None
+) -> None:
     """Check this host for multi-GPU work: GPUs, links, network, versions, /dev/shm, ulimits, all-reduce.
+
+    With `--nodes N --node-rank K --rdzv-endpoint HOST:PORT` on each of N nodes, also across the nodes: that they
+    meet and run the same torch and scaletrain, and the bus bandwidth of collectives over every rank of every node
+    and inside each node while all run (`scaletrain bench --nodes` writes the same into a calibration).
 
     Exit code 1 when a check fails, 0 otherwise (warnings included).
     """
+    from scaletrain.cli.errors import fail
+    from scaletrain.cli.plan import check_node_flags, endpoint_message
     from scaletrain.doctor import run_doctor
 
+    across = nodes > 1 or node_rank is not None or rdzv_endpoint is not None
+    if across:
+        from scaletrain.launch import network
+
+        check_node_flags(nodes, node_rank, rdzv_endpoint, "doctor")
+        try:  # the endpoint's form and name before the local checks; the rendezvous checks the rest
+            network.resolve(network.split_endpoint(str(rdzv_endpoint))[0])
+        except ValueError as e:
+            fail(endpoint_message(e))
     checks = run_doctor(bandwidth=not no_bandwidth, nproc=nproc)
+    if across:
+        import torch
+
+        from scaletrain.doctor.checks import check_nodes
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        assert node_rank is not None and rdzv_endpoint is not None  # check_node_flags
+        try:
+            checks += check_nodes(nodes, node_rank, rdzv_endpoint, nproc or gpus or 2, 16 * 2**20)
+        except ValueError as e:
+            fail(endpoint_message(e))
     if as_json:
         click.echo(json.dumps([c.as_dict() for c in checks], indent=2))
     else:

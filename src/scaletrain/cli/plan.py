@@ -678,6 +678,25 @@ def _attention(cal) -> str:
     return out
 
 
+def check_node_flags(nodes: int, node_rank: int | None, rdzv_endpoint: str | None, command: str) -> None:
+    """One line and exit 2 unless --nodes N (N >= 2), --node-rank and --rdzv-endpoint go together (`bench`,
+    `doctor`: one agent per node, meeting as `train --nnodes` does)."""
+    if nodes < 2:
+        fail(f"--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node {command}")
+    if node_rank is None or rdzv_endpoint is None:
+        fail(f"--nodes {nodes}: also give --node-rank 0..{nodes - 1} and --rdzv-endpoint HOST:PORT on every node")
+    if node_rank >= nodes:
+        fail(f"--node-rank: {node_rank} is not below --nodes {nodes}; number the nodes 0..{nodes - 1}")
+    if rdzv_endpoint.endswith(":0"):
+        fail(f"--rdzv-endpoint: a multi-node {command} needs a fixed HOST:PORT every node can reach")
+
+
+def endpoint_message(e: ValueError) -> str:
+    """The rendezvous' one-line refusal of an endpoint, in the flags' words (checked as train's
+    launch.rdzv_endpoint; bench and doctor have no local_addr)."""
+    return str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", "")
+
+
 def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
     """`bench --nodes`: this node's part (hardware/internode.py); the calibration on node 0, else None. One line
     for flags that do not go together or nodes that disagree, before any rank starts."""
@@ -685,18 +704,11 @@ def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
 
     from scaletrain.launch.bench_nodes import run_node_bench
 
-    if nodes < 2:
-        fail("--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node bench")
-    if node_rank is None or rdzv_endpoint is None:
-        fail(f"--nodes {nodes}: also give --node-rank 0..{nodes - 1} and --rdzv-endpoint HOST:PORT on every node")
-    if node_rank >= nodes:
-        fail(f"--node-rank: {node_rank} is not below --nodes {nodes}; number the nodes 0..{nodes - 1}")
-    if rdzv_endpoint.endswith(":0"):
-        fail("--rdzv-endpoint: a multi-node bench needs a fixed HOST:PORT every node can reach")
+    check_node_flags(nodes, node_rank, rdzv_endpoint, "bench")
     try:
         return run_node_bench(nodes, node_rank, rdzv_endpoint, nproc, max_bytes, matmul_n)
-    except ValueError as e:  # the endpoint is checked as train's launch.rdzv_endpoint; bench has no local_addr
-        fail(str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", ""))
+    except ValueError as e:
+        fail(endpoint_message(e))
     except ChildFailedError as e:
         rank, failure = min(e.failures.items())
         fail(f"bench across nodes failed on rank {rank} (exit {failure.exitcode}): {failure.message or 'see above'}")

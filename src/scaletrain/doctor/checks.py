@@ -319,6 +319,49 @@ def check_allreduce(nproc: int, nbytes: int, expected: float | None, link_name: 
     ]
 
 
+def check_nodes(nodes: int, node_rank: int, endpoint: str, nproc: int, nbytes: int) -> list[Check]:
+    """The nodes meet at `endpoint` (one agent per node, as `train --nnodes`) and time all-reduce, all-gather and
+    reduce-scatter over every rank of every node, then inside each node with every node at once (what
+    `scaletrain bench --nodes` writes into a calibration). Rows: whether the nodes agree, and the bus bandwidths."""
+    from scaletrain.hardware.internode import NodeBenchError, fit_seconds
+    from scaletrain.launch.bench_nodes import measure_across_nodes
+
+    name = f"{nodes} nodes at {endpoint}"
+    try:
+        points = measure_across_nodes(nodes, node_rank, endpoint, nproc, nbytes)
+    except NodeBenchError as e:
+        return [Check("nodes agree", "fail", str(e))]
+    except ValueError:  # the endpoint itself: bad input, for the command to refuse in one line
+        raise
+    except Exception as e:  # a rendezvous or collective that fails is itself the finding
+        first = str(e).splitlines()[0] if str(e) else ""
+        return [Check("inter-node bus bandwidth", "fail", f"{name}: {type(e).__name__}: {first}")]
+
+    def figures(prefix: str, size: int) -> str:
+        out = []
+        for kind, steps in (("all_reduce", 2 * (size - 1)), ("all_gather", size - 1), ("reduce_scatter", size - 1)):
+            lat, busbw = fit_seconds(points[prefix + kind], steps, steps / size)
+            out.append(f"{kind.replace('_', '-')} {busbw / 1e9:,.3f} GB/s + {lat * 1e6:.0f} us")
+        return ", ".join(out)
+
+    rows = [
+        Check("nodes agree", "pass", f"{name}: same torch, scaletrain and --nproc {nproc} on every node"),
+        Check(
+            "inter-node bus bandwidth",
+            "pass",
+            f"over {nodes} x {nproc} ranks (one ring stream per node link): {figures('', nodes * nproc)}; write "
+            f"them into a calibration with `scaletrain bench --nodes {nodes} ...`",
+        ),
+    ]
+    if nproc > 1:
+        rows.append(
+            Check(
+                "intra-node bus bandwidth", "pass", f"over {nproc} ranks, every node at once: {figures('node_', nproc)}"
+            )
+        )
+    return rows
+
+
 def run_doctor(bandwidth: bool = True, nproc: int | None = None, nbytes: int = 16 * 2**20) -> list[Check]:
     """Every check, in the order `scaletrain doctor` prints them."""
     import torch

@@ -63,6 +63,24 @@ def run_node_bench(
     """This node's part of a bench over `nodes` nodes meeting at `endpoint` (HOST:PORT, served by the node that
     owns HOST): the local bench over its `nproc` ranks, then the collectives over all nodes' ranks. Returns the
     calibration on node 0, None on the others. ValueError (one line) for a bad endpoint or nodes that disagree."""
+    holder: dict[str, Calibration] = {}
+
+    def local() -> None:
+        holder["cal"] = run_bench(nproc=nproc, matmul_n=matmul_n, collective_bytes=max_bytes)  # every node at once
+
+    points = measure_across_nodes(nodes, node_rank, endpoint, nproc, max_bytes, before=local)
+    if node_rank != 0:
+        return None
+    return dataclasses.replace(holder["cal"], **internode_fields(points, nodes, nproc))
+
+
+def measure_across_nodes(
+    nodes: int, node_rank: int, endpoint: str, nproc: int, max_bytes: int = 16 * MIB, before=None
+) -> dict[str, list]:
+    """Meet the other nodes' agents at `endpoint` (refusing nodes whose --nproc, message sizes, torch or
+    scaletrain differ: NodeBenchError, one line), run `before()` on every node at once (bench's local
+    measurements), then time the collectives over every rank of every node and inside each node
+    (hardware/internode.py measure_world_collectives). Returns its points, the same on every node."""
     from torch.distributed.launcher.api import LaunchConfig as AgentConfig
     from torch.distributed.launcher.api import elastic_launch
 
@@ -78,8 +96,10 @@ def run_node_bench(
     )
     if problem:
         raise NodeBenchError(problem)
-    local = run_bench(nproc=nproc, matmul_n=matmul_n, collective_bytes=max_bytes)  # every node at once
-    _meet(store, nodes, node_rank, {}, "local-done")  # nobody's compute overlaps the collectives below
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+    if before is not None:
+        before()
+        _meet(store, nodes, node_rank, {}, "local-done")  # nobody's compute overlaps the collectives below
 
     interface = network.interface_of(rdzv.listen_addr)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
@@ -99,12 +119,8 @@ def run_node_bench(
         monitor_interval=0.2,
         start_method="spawn",
     )
-    device_type = "cuda" if local.device != "cpu" else "cpu"
     try:
-        results = elastic_launch(agent, measure_world_collectives)(sizes, device_type)
+        results = elastic_launch(agent, measure_world_collectives)(sizes, "cuda" if on_gpu else "cpu")
     finally:
         rdzv.server = None
-    if node_rank != 0:
-        return None
-    points = next(iter(results.values()))  # every rank returns the same slowest-rank times
-    return dataclasses.replace(local, **internode_fields(points, nodes, nproc))
+    return next(iter(results.values()))  # every rank returns the same slowest-rank times
