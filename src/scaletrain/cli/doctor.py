@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from scaletrain.cli.nodes import node_options
+
 _MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
 
 
@@ -19,16 +21,10 @@ _MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
     default=None,
     help="Local ranks for the all-reduce (default: every GPU, or 2 CPU ranks).",
 )
-@click.option(
-    "--nodes",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Nodes, one `scaletrain doctor` each (as `train --nnodes`): also check that they agree and measure "
-    "all-reduce, all-gather and reduce-scatter across them.",
+@node_options(
+    "Nodes, one `scaletrain doctor` each (as `train --nnodes`): also check that they agree and measure "
+    "all-reduce, all-gather and reduce-scatter across them."
 )
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="With --nodes: this node's number.")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
 def doctor(
     as_json: bool, no_bandwidth: bool, nproc: int | None, nodes: int, node_rank: int | None, rdzv_endpoint: str | None
 ) -> None:
@@ -41,7 +37,7 @@ def doctor(
     Exit code 1 when a check fails, 0 otherwise (warnings included).
     """
     from scaletrain.cli.errors import fail
-    from scaletrain.cli.plan import check_node_flags, endpoint_message
+    from scaletrain.cli.nodes import check_node_flags, endpoint_message
     from scaletrain.doctor import run_doctor
 
     across = nodes > 1 or node_rank is not None or rdzv_endpoint is not None

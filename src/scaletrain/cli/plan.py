@@ -13,6 +13,7 @@ import click
 from click.core import ParameterSource
 
 from scaletrain.cli.errors import fail
+from scaletrain.cli.nodes import check_node_flags, endpoint_message, node_options
 
 # Input ranges: beyond them an answer means nothing, and the search (divisors of --gpus, one row per layout)
 # would take minutes instead of well under a second.
@@ -592,16 +593,10 @@ def _pinned_options(opts, pins):
 )
 @click.option("--size-mb", type=float, default=16.0, show_default=True, help="Largest collective message, MiB.")
 @click.option("--matmul-n", type=int, default=None, help="Largest square matmul [default: 8192 on a GPU, else 1024].")
-@click.option(
-    "--nodes",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Nodes, one `scaletrain bench` each (as `train --nnodes`): also measure all-reduce and all-gather across "
-    "them; node 0 writes the file.",
+@node_options(
+    "Nodes, one `scaletrain bench` each (as `train --nnodes`): also measure all-reduce, all-gather and "
+    "reduce-scatter across them and inside each node with all running; node 0 writes the file."
 )
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="With --nodes: this node's number.")
-@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="With --nodes: the c10d rendezvous.")
 def bench(output, nproc, size_mb, matmul_n, nodes, node_rank, rdzv_endpoint) -> None:
     """Measure this host's efficiency curves: matmul FLOP/s at several GEMM shapes, copy bandwidth at several sizes,
     causal attention forward + backward at several sequence lengths and head dims, host time per dispatched op,
@@ -676,25 +671,6 @@ def _attention(cal) -> str:
     if cal.step_pointwise_bw:
         out += f"; in a real step: memory-bound ops {cal.step_pointwise_bw / 1e9:,.1f} GB/s"
     return out
-
-
-def check_node_flags(nodes: int, node_rank: int | None, rdzv_endpoint: str | None, command: str) -> None:
-    """One line and exit 2 unless --nodes N (N >= 2), --node-rank and --rdzv-endpoint go together (`bench`,
-    `doctor`: one agent per node, meeting as `train --nnodes` does)."""
-    if nodes < 2:
-        fail(f"--node-rank/--rdzv-endpoint: only with --nodes N (N >= 2); drop them for a one-node {command}")
-    if node_rank is None or rdzv_endpoint is None:
-        fail(f"--nodes {nodes}: also give --node-rank 0..{nodes - 1} and --rdzv-endpoint HOST:PORT on every node")
-    if node_rank >= nodes:
-        fail(f"--node-rank: {node_rank} is not below --nodes {nodes}; number the nodes 0..{nodes - 1}")
-    if rdzv_endpoint.endswith(":0"):
-        fail(f"--rdzv-endpoint: a multi-node {command} needs a fixed HOST:PORT every node can reach")
-
-
-def endpoint_message(e: ValueError) -> str:
-    """The rendezvous' one-line refusal of an endpoint, in the flags' words (checked as train's
-    launch.rdzv_endpoint; bench and doctor have no local_addr)."""
-    return str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", "")
 
 
 def _bench_nodes(nodes, node_rank, rdzv_endpoint, nproc, matmul_n, max_bytes):
