@@ -61,7 +61,7 @@ class Calibration:
     allreduce_latency_s: float | None = None  # fitted latency per ring step, seconds
     allgather_busbw: float | None = None  # bytes/s, algbw x (n-1)/n
     allgather_latency_s: float | None = None
-    # gloo reduces-scatters at about an all-reduce's cost (4 CPU ranks: 8.1 ms where an all-gather of the same
+    # gloo's reduce-scatter costs about an all-reduce (4 CPU ranks: 8.1 ms where an all-gather of the same
     # message takes 4.9), so it is measured, not taken as an all-gather; files before it: none (all-gather's used)
     reducescatter_busbw: float | None = None  # bytes/s, algbw x (n-1)/n
     reducescatter_latency_s: float | None = None
