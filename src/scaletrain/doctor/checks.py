@@ -328,7 +328,7 @@ def check_nodes(nodes: int, node_rank: int, endpoint: str, nproc: int, nbytes: i
 
     name = f"{nodes} nodes at {endpoint}"
     try:
-        points = measure_across_nodes(nodes, node_rank, endpoint, nproc, nbytes)
+        points = measure_across_nodes(nodes, node_rank, endpoint, nproc, nbytes, amid=False)
     except NodeBenchError as e:
         return [Check("nodes agree", "fail", str(e))]
     except ValueError:  # the endpoint itself: bad input, for the command to refuse in one line

@@ -43,7 +43,9 @@ def message_sizes(max_bytes: int) -> tuple[int, ...]:
     return tuple(sorted({b for b in INTERNODE_BYTES if b < max_bytes} | {max_bytes}))
 
 
-def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") -> dict[str, list[tuple[int, float]]]:
+def measure_world_collectives(
+    sizes: tuple[int, ...], device_type: str = "cpu", amid: bool = True
+) -> dict[str, list[tuple[int, float]]]:
     """One rank under the torchrun agent: all-reduce, all-gather and reduce-scatter over every rank of every node
     at each of `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The
     all-gather's bytes are its gathered output and the reduce-scatter's its full input, as in bench.py. On CPUs
@@ -52,7 +54,8 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
 
     Then the same inside each node ("node_" + kind, "node_sync"; more than one rank per node), every node at
     once, as training runs them: the local bench measured them while the other nodes were at other work, or done
-    (simulated nodes share one machine's cores, and a node alone on them waits less on its own collectives)."""
+    (simulated nodes share one machine's cores, and a node alone on them waits less on its own collectives).
+    amid=False leaves out the waits amid compute (doctor reports bandwidths only)."""
     import torch.distributed as dist
 
     from scaletrain.parallel.runtime import init_distributed, shutdown_distributed
@@ -61,16 +64,16 @@ def measure_world_collectives(sizes: tuple[int, ...], device_type: str = "cpu") 
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     out: dict[str, list] = {}
     try:
-        out |= _time_collectives(sizes, rt.world_size, None, rt.device)
+        out |= _time_collectives(sizes, rt.world_size, None, rt.device, amid)
         if per_node > 1:
             node, _ = dist.new_subgroups(group_size=per_node)  # ranks are numbered node by node, as in training
-            out |= {f"node_{k}": v for k, v in _time_collectives(sizes, per_node, node, rt.device).items()}
+            out |= {f"node_{k}": v for k, v in _time_collectives(sizes, per_node, node, rt.device, amid).items()}
     finally:
         shutdown_distributed()
     return out
 
 
-def _time_collectives(sizes: tuple[int, ...], size: int, group, device) -> dict[str, list]:
+def _time_collectives(sizes: tuple[int, ...], size: int, group, device, amid: bool) -> dict[str, list]:
     """Every kind at every message size over `group` (None: the world) of `size` ranks, and on CPUs the wait of
     an all-gather amid compute; every rank of the world takes part (a world barrier before each, the slowest
     rank's seconds)."""
@@ -94,7 +97,7 @@ def _time_collectives(sizes: tuple[int, ...], size: int, group, device) -> dict[
             slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
             out[kind].append((nbytes_of, float(slowest.cpu())))
-    if device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective amid compute
+    if amid and device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective amid compute
         points = torch.tensor(_sync_extra_seconds(size, dist.barrier, gather), dtype=torch.float64)
         dist.broadcast(points, 0)  # rank 0's, on every rank (the agent returns any rank's)
         out["sync"] = [(float(g), float(c)) for g, c in points]

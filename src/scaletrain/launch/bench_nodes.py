@@ -75,12 +75,13 @@ def run_node_bench(
 
 
 def measure_across_nodes(
-    nodes: int, node_rank: int, endpoint: str, nproc: int, max_bytes: int = 16 * MIB, before=None
+    nodes: int, node_rank: int, endpoint: str, nproc: int, max_bytes: int = 16 * MIB, before=None, amid: bool = True
 ) -> dict[str, list]:
     """Meet the other nodes' agents at `endpoint` (refusing nodes whose --nproc, message sizes, torch or
     scaletrain differ: NodeBenchError, one line), run `before()` on every node at once (bench's local
     measurements), then time the collectives over every rank of every node and inside each node
-    (hardware/internode.py measure_world_collectives). Returns its points, the same on every node."""
+    (hardware/internode.py measure_world_collectives; amid=False: not the waits amid compute). Returns its
+    points, the same on every node."""
     from torch.distributed.launcher.api import LaunchConfig as AgentConfig
     from torch.distributed.launcher.api import elastic_launch
 
@@ -120,7 +121,7 @@ def measure_across_nodes(
         start_method="spawn",
     )
     try:
-        results = elastic_launch(agent, measure_world_collectives)(sizes, "cuda" if on_gpu else "cpu")
+        results = elastic_launch(agent, measure_world_collectives)(sizes, "cuda" if on_gpu else "cpu", amid)
     finally:
         rdzv.server = None
     return next(iter(results.values()))  # every rank returns the same slowest-rank times
