@@ -323,6 +323,7 @@ def check_nodes(nodes: int, node_rank: int, endpoint: str, nproc: int, nbytes: i
     """The nodes meet at `endpoint` (one agent per node, as `train --nnodes`) and time all-reduce, all-gather and
     reduce-scatter over every rank of every node, then inside each node with every node at once (what
     `scaletrain bench --nodes` writes into a calibration). Rows: whether the nodes agree, and the bus bandwidths."""
+    from scaletrain.hardware.bench import COLLECTIVES, ring_terms
     from scaletrain.hardware.internode import NodeBenchError, fit_seconds
     from scaletrain.launch.bench_nodes import measure_across_nodes
 
@@ -339,8 +340,8 @@ def check_nodes(nodes: int, node_rank: int, endpoint: str, nproc: int, nbytes: i
 
     def figures(prefix: str, size: int) -> str:
         out = []
-        for kind, steps in (("all_reduce", 2 * (size - 1)), ("all_gather", size - 1), ("reduce_scatter", size - 1)):
-            lat, busbw = fit_seconds(points[prefix + kind], steps, steps / size)
+        for kind in COLLECTIVES:
+            lat, busbw = fit_seconds(points[prefix + kind], *ring_terms(kind, size))
             out.append(f"{kind.replace('_', '-')} {busbw / 1e9:,.3f} GB/s + {lat * 1e6:.0f} us")
         return ", ".join(out)
 

@@ -426,6 +426,23 @@ def _spawn(nproc: int, plan: BenchPlan) -> list[dict]:
     return [results[r] for r in range(nproc)]
 
 
+def ring_terms(kind: str, n: float) -> tuple[float, float]:
+    """(ring steps, volume factor) of a ring collective over `n` ranks, t = steps x latency + volume x bytes / busbw
+    (nccl-tests' bus bandwidth): an all-reduce twice an all-gather's, a reduce-scatter an all-gather's."""
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (n - 1), factor * (n - 1) / n
+
+
+def sync_extras(points, allgather_fit, n: float) -> tuple[tuple[float, float], ...]:
+    """The waits amid compute a calibration keeps: each (gap, cost) point's cost beyond what the all-gather fit
+    (latency per ring step, bus bandwidth; None: not measured) charges for SYNC_BYTES over `n` ranks, since the
+    planner charges both; kept positive (calibration files)."""
+    lat, busbw = allgather_fit
+    steps, volume = ring_terms("all_gather", n)
+    alone = steps * (lat or 0.0) + volume * SYNC_BYTES / (busbw or math.inf)
+    return tuple((gap, max(cost - alone, 1e-9)) for gap, cost in points)
+
+
 def fit_latency_bandwidth(points, steps: float, volume: float) -> tuple[float, float]:
     """(latency per ring step in s, bus bandwidth in bytes/s) of t = steps x latency + volume x bytes / busbw,
     least squares on the relative error over measured (bytes, seconds) points (small messages weigh as much as
@@ -479,15 +496,9 @@ def run_bench(nproc: int = 2, matmul_n: int | None = None, collective_bytes: int
     step = _step_figures([r["step"][0] for r in ranks if r["step"]])
     fits: dict[str, tuple[float, float] | tuple[None, None]] = dict.fromkeys(COLLECTIVES, (None, None))
     if nproc > 1:
-        n = float(nproc)
-        fits["all_reduce"] = fit_latency_bandwidth(results[0]["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
-        fits["all_gather"] = fit_latency_bandwidth(results[0]["all_gather"], n - 1, (n - 1) / n)
-        fits["reduce_scatter"] = fit_latency_bandwidth(results[0]["reduce_scatter"], n - 1, (n - 1) / n)
-    # the wait amid compute: what the all-gather cost there beyond what its fit charges (the planner charges both);
-    # a point's values must be positive (calibration files)
-    lat, busbw = fits["all_gather"]
-    alone = (nproc - 1) * (lat or 0.0) + (nproc - 1) / nproc * SYNC_BYTES / (busbw or math.inf)
-    sync = tuple((gap, max(cost - alone, 1e-9)) for gap, cost in results[0]["sync"])
+        for kind in COLLECTIVES:
+            fits[kind] = fit_latency_bandwidth(results[0][kind], *ring_terms(kind, nproc))
+    sync = sync_extras(results[0]["sync"], fits["all_gather"], nproc)
     return Calibration(
         device=host.catalog_gpu,
         host=host.hostname,

@@ -22,11 +22,13 @@ import torch
 from scaletrain.hardware.bench import (
     KIB,
     MIB,
-    SYNC_BYTES,
+    COLLECTIVES,
     _median_seconds,
     _sync_extra_seconds,
     collective_functions,
     fit_latency_bandwidth,
+    ring_terms,
+    sync_extras,
 )
 
 INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
@@ -120,12 +122,15 @@ def fit_seconds(points, steps: float, volume: float) -> tuple[float, float]:
 def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict:
     """Calibration fields of the world collectives measured over `nodes` x `per_node` ranks; the wait of one amid
     compute is its cost beyond what the all-gather fit charges for SYNC_BYTES (as bench.py's run_bench)."""
-    n = float(nodes * per_node)
-    ar_lat, ar_bw = fit_seconds(points["all_reduce"], 2 * (n - 1), 2 * (n - 1) / n)
-    ag_lat, ag_bw = fit_seconds(points["all_gather"], n - 1, (n - 1) / n)
+    n = nodes * per_node
+    ar_lat, ar_bw = fit_seconds(points["all_reduce"], *ring_terms("all_reduce", n))
+    ag_lat, ag_bw = fit_seconds(points["all_gather"], *ring_terms("all_gather", n))
     # files and callers from before the reduce-scatter was measured: the planner then takes it as an all-gather
-    rs = fit_seconds(points["reduce_scatter"], n - 1, (n - 1) / n) if points.get("reduce_scatter") else (None, None)
-    alone = (n - 1) * ag_lat + (n - 1) / n * SYNC_BYTES / ag_bw
+    rs = (
+        fit_seconds(points["reduce_scatter"], *ring_terms("reduce_scatter", n))
+        if points.get("reduce_scatter")
+        else (None, None)
+    )
     return {
         "nodes": nodes,
         "internode_allreduce_busbw": ar_bw,
@@ -137,7 +142,7 @@ def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict
         "internode_all_reduce": tuple(points["all_reduce"]),
         "internode_all_gather": tuple(points["all_gather"]),
         "internode_reduce_scatter": tuple(points.get("reduce_scatter", ())),
-        "internode_collective_amid_compute": tuple((g, max(c - alone, 1e-9)) for g, c in points.get("sync", ())),
+        "internode_collective_amid_compute": sync_extras(points.get("sync", ()), (ag_lat, ag_bw), n),
     } | _node_fields(points, per_node)
 
 
@@ -146,21 +151,11 @@ def _node_fields(points: dict[str, list], per_node: int) -> dict:
     fitted as bench.py fits its own: they replace the local bench's. None measured (one rank per node): none."""
     if not points.get("node_all_reduce"):
         return {}
-    n = float(per_node)
-    fits = {
-        kind: fit_latency_bandwidth(points[f"node_{kind}"], (2 if kind == "all_reduce" else 1) * (n - 1), volume)
-        for kind, volume in (
-            ("all_reduce", 2 * (n - 1) / n),
-            ("all_gather", (n - 1) / n),
-            ("reduce_scatter", (n - 1) / n),
-        )
-    }
-    ag_lat, ag_bw = fits["all_gather"]
-    alone = (n - 1) * ag_lat + (n - 1) / n * SYNC_BYTES / ag_bw
+    fits = {kind: fit_latency_bandwidth(points[f"node_{kind}"], *ring_terms(kind, per_node)) for kind in COLLECTIVES}
     return {
         **{f"{kind.replace('_', '')}_{f}": fits[kind][i] for kind in fits for i, f in ((1, "busbw"), (0, "latency_s"))},
         **{kind: tuple(points[f"node_{kind}"]) for kind in fits},
-        "collective_amid_compute": tuple((g, max(c - alone, 1e-9)) for g, c in points.get("node_sync", ())),
+        "collective_amid_compute": sync_extras(points.get("node_sync", ()), fits["all_gather"], per_node),
     }
 
 
