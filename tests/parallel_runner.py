@@ -11,7 +11,8 @@ A job with "activations": true also writes OUT_DIR/NAME/activations_rankR.json: 
 backward in one forward of the next micro-batch (distinct storages, parameters excluded), counted by
 saved-tensor hooks (no pipeline). A job with "fit": true instead trains with the trainer's own loop
 (scaletrain.train.loop.fit: metrics, evaluation, checkpoints) into the run folder its overrides name (give an
-absolute run.output_dir), as `scaletrain train` would, without a launch of its own.
+absolute run.output_dir), as `scaletrain train` would, without a launch of its own; with "compile_probe": true
+as well, parallel.compile=auto's probe runs as on a GPU and compiles the blocks after its timed steps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.monitor import configure_logging
 from scaletrain.parallel import full_state_dict, init_distributed, shutdown_distributed
 from scaletrain.train import Trainer
 
@@ -49,12 +51,17 @@ def saved_activation_bytes(trainer) -> int:
     return sum(seen.values())
 
 
-def run_job(overrides: list[str], out: Path, rt, activations: bool = False, fit: bool = False) -> None:
+def run_job(
+    overrides: list[str], out: Path, rt, activations: bool = False, fit: bool = False, compile_probe: bool = False
+) -> None:
     trainer = Trainer.build(load_config(None, overrides), rt)
     if fit:
+        from scaletrain.parallel.compile import CompileProbe
         from scaletrain.train.loop import fit as fit_loop
 
-        fit_loop(trainer)
+        # compile_probe: parallel.compile=auto's probe as on a GPU, told compiling costs nothing (so it compiles)
+        probe = CompileProbe(trainer.cfg.train.steps, 0, compile_s=0.0) if compile_probe else None
+        fit_loop(trainer, compile_probe=probe)
         return
     losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
@@ -73,9 +80,11 @@ def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     rt = init_distributed("cpu")
+    configure_logging(rt.rank, all_ranks=False)  # rank 0's log lines (the loop's, for "fit" jobs) on stderr
     try:
         for job in jobs:
-            run_job(job["overrides"], out / job["name"], rt, job.get("activations", False), job.get("fit", False))
+            flags = [job.get(k, False) for k in ("activations", "fit", "compile_probe")]
+            run_job(job["overrides"], out / job["name"], rt, *flags)
             torch.distributed.barrier()
     finally:
         shutdown_distributed()

@@ -202,3 +202,32 @@ def test_gpu_planner_dry_run_checks_arguments_without_a_gpu(tmp_path, capsys):
             mod.main(["--dry-run", *bad])
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert exit_.value.code == 2 and "error:" in err, (bad, err)
+
+
+def test_gpu_check_dry_run_lists_every_figure_and_the_trainer_accepts_each_config(tmp_path, capsys):
+    """benchmarks/gpu_check.py's CPU side: --dry-run prints one `scaletrain train` per figure of issue 34 (bf16
+    compiled at fp8's micro-batch included); every config but the refused eager fp8 passes the trainer's own
+    checks, so no GPU time goes to a refused run."""
+    import importlib.util
+
+    from scaletrain.config import load_config
+    from scaletrain.train.preflight import resolve_job
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    mod.main(["--dry-run", "--out", str(tmp_path / "o")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    names = [x.split("run.name=")[1].split()[0] for x in lines]
+    assert {"bf16-compile-mb8", "fp8-tensorwise-compile-mb8", "fp8-tensorwise-eager-mb4", "default"} <= set(names)
+    assert lines[names.index("fp8-tensorwise-eager-mb4")].startswith("[refused]")
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+    for make in mod.RUNS:
+        run = make(mod.argparse.Namespace(steps=30, seq_len=2048))
+        if not run.refused:
+            resolve_job(load_config(None, list(run.settings)), 1)
+    with pytest.raises(SystemExit) as exit_:
+        mod.main(["--dry-run", "--steps", "3"])
+    assert exit_.value.code == 2

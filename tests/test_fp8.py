@@ -88,7 +88,10 @@ def test_fp8_checkpoint_resumes_the_same_losses_and_exports_plain_weights(tmp_pa
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["precision.fp8=tensorwise"], "precision.fp8: tensorwise runs on top of bf16 compute, not fp32"),
+        (
+            ["precision.fp8=tensorwise", "precision.dtype=fp32"],
+            "precision.fp8: tensorwise runs on top of bf16 compute, not fp32",
+        ),
         (
             ["precision.fp8=rowwise", "precision.dtype=fp16"],
             "precision.fp8: rowwise runs on top of bf16 compute, not fp16",

@@ -8,6 +8,7 @@ pieces and gathers the full state), and the real `scaletrain train` runs FSDP2 x
 plan, with loss parallelism)."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,14 +45,27 @@ AC = {
 
 
 def launch_runner(
-    nproc: int, jobs: dict[str, list[str]], out: Path, timeout: float = 600, fit: frozenset[str] = frozenset()
-) -> None:
+    nproc: int,
+    jobs: dict[str, list[str]],
+    out: Path,
+    timeout: float = 600,
+    fit: frozenset[str] = frozenset(),
+    compile_probe: frozenset[str] = frozenset(),
+) -> subprocess.CompletedProcess:
     """One launch of tests/parallel_runner.py for every job (FAST + its overrides); the jobs named in `fit` run the
-    trainer's own loop (metrics, checkpoints) instead of the bare steps."""
+    trainer's own loop (metrics, checkpoints) instead of the bare steps, those in `compile_probe` (fit too) with
+    parallel.compile=auto's probe as a GPU runs it, told that compiling pays."""
     spec = out / f"jobs{nproc}.json"
     out.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps([{"name": n, "overrides": [*FAST, *o], "fit": n in fit} for n, o in jobs.items()]))
-    torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=timeout)
+    spec.write_text(
+        json.dumps(
+            [
+                {"name": n, "overrides": [*FAST, *o], "fit": n in fit, "compile_probe": n in compile_probe}
+                for n, o in jobs.items()
+            ]
+        )
+    )
+    return torchrun(nproc, [str(RUNNER), str(spec), str(out)], timeout=timeout)
 
 
 def runner_losses(out: Path) -> list[float]:
@@ -123,7 +137,19 @@ def test_pipeline_start_reports_schedule_and_bubble(runs):
 
 @pytest.mark.slow
 def test_compiled_blocks_match_one_process(tmp_path):
+    """Blocks compiled before the layout (parallel.compile=true), and compiled in place after three eager steps by
+    parallel.compile=auto's probe (what a GPU does when compiling pays): the same losses as eager."""
     out = tmp_path / "runner"
-    launch_runner(1, {"single": ["train.steps=3"], "compiled": ["train.steps=3", "parallel.compile=true"]}, out)
+    midway = ["train.steps=6", f"run.output_dir={tmp_path / 'runs'}", "run.name=midway"]
+    proc = launch_runner(
+        1,
+        {"single": ["train.steps=6"], "compiled": ["train.steps=3", "parallel.compile=true"], "midway": midway},
+        out,
+        fit=frozenset({"midway"}),
+        compile_probe=frozenset({"midway"}),
+    )
     ref, got = runner_losses(out / "single"), runner_losses(out / "compiled")
     assert len(got) == 3 and max(abs(a - b) for a, b in zip(ref, got)) <= TOL
+    midway_losses = losses(tmp_path / "runs" / "midway")
+    assert len(midway_losses) == 6 and max(abs(a - b) for a, b in zip(ref, midway_losses)) <= TOL
+    assert "compiling the blocks" in proc.stderr and "compile: step 4 took" in proc.stderr, proc.stderr[-2000:]

@@ -80,7 +80,7 @@ def train(
     Under an external `torchrun`, runs as the rank it was started as.
     """
     from scaletrain.config import load_config, split_config_args, to_toml
-    from scaletrain.train.preflight import default_nproc, resolve_job, under_external_launcher
+    from scaletrain.train.preflight import default_nproc, resolve_job, settle_device_defaults, under_external_launcher
 
     path, overrides = split_config_args(args)
     overrides = [*overrides, *_node_overrides(nnodes, node_rank, rdzv_endpoint)]
@@ -106,12 +106,15 @@ def train(
         from scaletrain.parallel.float8 import check_float8_device
         from scaletrain.parallel.runtime import pick_device_type
 
-        check_float8_device(cfg.precision.fp8, pick_device_type(cfg.run.device))
+        device_type = pick_device_type(cfg.run.device)
+        check_float8_device(cfg.precision.fp8, device_type)
+        cfg = settle_device_defaults(cfg, device_type)  # the ranks start on this host: decide "auto" here, once
         resolve_job(cfg, world)
         if cfg.launch.nnodes > 1 and cfg.launch.rdzv_endpoint.endswith(":0"):
             raise ValueError("launch.rdzv_endpoint: a multi-node run needs a fixed host:port every node can reach")
-        from scaletrain.launch.local import open_rendezvous
+        from scaletrain.launch.local import check_agent_supports, open_rendezvous
 
+        check_agent_supports(cfg.launch)
         rdzv = open_rendezvous(cfg.launch)  # binds the rendezvous store: a taken port fails here, not in a rank
     except ValueError as e:
         fail(str(e))

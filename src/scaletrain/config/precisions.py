@@ -29,6 +29,9 @@ PRECISIONS: tuple[Precision, ...] = (
 PRECISION_NAMES: tuple[str, ...] = tuple(p.name for p in PRECISIONS)
 REDUCE_DTYPES: tuple[str, ...] = tuple(p.name for p in PRECISIONS if p.gradient_reduction)
 PrecisionName = Literal[PRECISION_NAMES]  # type: ignore[valid-type]
+# precision.dtype also takes "auto": decided per device by resolve_dtype
+AUTO_DTYPE = "auto"
+DtypeSetting = Literal[(AUTO_DTYPE, *PRECISION_NAMES)]  # type: ignore[valid-type]
 # the dtype master weights, gradients and optimizer states are kept in
 MASTER_DTYPE = "fp32"
 _BY_NAME = {p.name: p for p in PRECISIONS}
@@ -40,3 +43,14 @@ def precision(name: str) -> Precision:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(PRECISION_NAMES)}") from None
+
+
+def resolve_dtype(setting: str, fp8: str, device_type: str, bf16_supported: bool) -> str:
+    """The compute dtype precision.dtype=`setting` means on this device: itself, unless it is "auto": bf16 when fp8
+    is on (fp8 runs on top of bf16) or on a GPU with bf16 arithmetic (compute capability 8.0+), fp32 otherwise (a
+    CPU has no faster bf16 matmuls, and fp32 keeps the CPU parity tests exact)."""
+    if setting != AUTO_DTYPE:
+        return setting
+    if fp8 != "none" or (device_type == "cuda" and bf16_supported):
+        return "bf16"
+    return "fp32"

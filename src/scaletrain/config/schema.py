@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from scaletrain.config.precisions import REDUCE_DTYPES, PrecisionName
+from scaletrain.config.precisions import REDUCE_DTYPES, DtypeSetting
 from scaletrain.config.schedules import DEFAULT_SCHEDULE, SCHEDULE_NAMES, pipeline_schedule
 
 # Upper bounds on counts. Python ints are unbounded but torch, numpy and TensorBoard hold steps, sizes and positions
@@ -208,7 +208,11 @@ class ParallelConfig(Section):
         "layer checkpoints every ac_every-th block",
     )
     ac_every: int = Field(2, ge=1, le=MAX_MODEL_DIM, description="selective layer checkpointing: every k-th block")
-    compile: bool = Field(False, description="torch.compile each transformer block")
+    compile: bool | Literal["auto"] = Field(
+        "auto",
+        description="torch.compile each transformer block; auto: off on a CPU, on with fp8 on a GPU, otherwise on a "
+        "GPU when the first steps' time says the compilation pays back over the steps left",
+    )
 
     @property
     def stages_per_rank(self) -> int:
@@ -232,7 +236,7 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} runs exactly 2 stages per rank (got {v})")
         if sched.placement != "single" and v < 2:
             raise ValueError(f"parallel.pp_stages_per_rank: {sched.name} needs >= 2 stages per rank (got {v})")
-        if self.compile and self.pp > 1 and sched.split_backward:
+        if self.compile is True and self.pp > 1 and sched.split_backward:
             raise ValueError(
                 f"parallel.compile: {sched.name} splits backward into input and weight parts, which "
                 f"torch.compile does not support; use 1F1B or Interleaved1F1B"
@@ -268,7 +272,11 @@ class TrainConfig(Section):
 
 
 class PrecisionConfig(Section):
-    dtype: PrecisionName = Field("fp32", description="compute dtype; weights and optimizer states stay fp32")
+    dtype: DtypeSetting = Field(
+        "auto",
+        description="compute dtype (fp32, bf16, fp16); auto: bf16 on a GPU with bf16 or with fp8, fp32 on a CPU. "
+        "Weights and optimizer states stay fp32",
+    )
     reduce_dtype: Literal[REDUCE_DTYPES] = Field(  # type: ignore[valid-type]
         "fp32", description="gradient reduction dtype (FSDP)"
     )

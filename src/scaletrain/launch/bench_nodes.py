@@ -82,12 +82,11 @@ def measure_across_nodes(
     measurements), then time the collectives over every rank of every node and inside each node
     (hardware/internode.py measure_world_collectives; amid=False: not the waits amid compute). Returns its
     points, the same on every node."""
-    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
     from torch.distributed.launcher.api import elastic_launch
 
     from scaletrain.config.schema import LaunchConfig
     from scaletrain.launch import network
-    from scaletrain.launch.local import open_rendezvous
+    from scaletrain.launch.local import agent_config, open_rendezvous
 
     rdzv = open_rendezvous(LaunchConfig(nnodes=nodes, node_rank=node_rank, rdzv_endpoint=endpoint))
     store = _store(rdzv.endpoint, rdzv.server)
@@ -107,7 +106,7 @@ def measure_across_nodes(
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as launch/local.py, pytorch#135712
-    agent = AgentConfig(
+    agent = agent_config(
         min_nodes=nodes,
         max_nodes=nodes,
         nproc_per_node=nproc,

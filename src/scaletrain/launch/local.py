@@ -8,6 +8,7 @@ them to the rendezvous host's address and this host's launch.local_addr (see lau
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import time
@@ -62,6 +63,40 @@ def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
     return LocalRendezvous(f"{host}:{port}", listen_addr, server)
 
 
+# torch's fixed grace between SIGTERM and SIGKILL where its LaunchConfig has no shutdown_timeout (torch 2.11, 2.12:
+# the worker context's close(timeout=30)); also launch.shutdown_timeout_s's default
+TORCH_FIXED_SHUTDOWN_S = 30
+
+
+def _agent_fields() -> frozenset[str]:
+    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
+
+    return frozenset(f.name for f in dataclasses.fields(AgentConfig))
+
+
+def check_agent_supports(launch: LaunchConfig) -> None:
+    """ValueError (one line) for a launch setting this torch's agent cannot honour: launch.shutdown_timeout_s
+    other than 30 s needs LaunchConfig.shutdown_timeout (torch 2.13; 2.11 and 2.12 always wait 30 s)."""
+    if launch.shutdown_timeout_s != TORCH_FIXED_SHUTDOWN_S and "shutdown_timeout" not in _agent_fields():
+        import torch
+
+        raise ValueError(
+            f"launch.shutdown_timeout_s: torch {torch.__version__.split('+')[0]} stops workers after a fixed "
+            f"{TORCH_FIXED_SHUTDOWN_S} s; set launch.shutdown_timeout_s={TORCH_FIXED_SHUTDOWN_S} or use torch >= 2.13"
+        )
+
+
+def agent_config(shutdown_timeout_s: int = TORCH_FIXED_SHUTDOWN_S, **fields):
+    """torch's LaunchConfig (the torchrun agent's) from `fields`, on every supported torch: shutdown_timeout is
+    passed only where LaunchConfig has it (torch 2.13); older agents wait their fixed 30 s (check_agent_supports
+    refuses another value before launch)."""
+    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
+
+    if "shutdown_timeout" in _agent_fields():
+        fields["shutdown_timeout"] = shutdown_timeout_s
+    return AgentConfig(**fields)
+
+
 # after a failed multi-node run, how long the node serving the rendezvous store keeps it for the other nodes' agents
 # (they poll it every monitor_interval, 0.2 s, and see their own ranks end within a few polls)
 STORE_GRACE_S = 5.0
@@ -76,7 +111,6 @@ def run_id(cfg: JobConfig) -> str:
 
 def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | None = None) -> dict:
     """Run the job on nproc_per_node local ranks; returns rank 0's summary. Raises ChildFailedError on failure."""
-    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
     from torch.distributed.launcher.api import elastic_launch
 
     from scaletrain.train.worker import run_from_dict
@@ -93,7 +127,8 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     os.environ["SCALETRAIN_NODE_ADDR"] = rdzv.listen_addr  # names this node in the rendezvous check's messages
-    launch = AgentConfig(
+    launch = agent_config(
+        cfg.launch.shutdown_timeout_s,
         min_nodes=cfg.launch.min_nodes or cfg.launch.nnodes,
         max_nodes=cfg.launch.nnodes,
         nproc_per_node=nproc_per_node,
@@ -111,7 +146,6 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
         # SIGUSR1 is Slurm's advance warning (--signal=B:USR1@N): the agent then stops its workers with SIGTERM,
         # which they answer by finishing the step and saving a checkpoint
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-        shutdown_timeout=cfg.launch.shutdown_timeout_s,
     )
     try:
         results = elastic_launch(launch, run_from_dict)(cfg.model_dump())

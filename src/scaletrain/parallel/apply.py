@@ -47,6 +47,18 @@ class ParallelModel:
         """This rank's pipeline stage modules (empty without a pipeline)."""
         return list(cast(PipelinedModel, self.module)) if self.pipeline is not None else []
 
+    def compile_blocks(self, spec: ModelSpec | None = None) -> int:
+        """Compile the blocks of the model (of each stage with a pipeline) in place, after it was laid out
+        (parallel.compile=auto decided it pays, parallel/compile.py); returns how many were compiled."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        compiled = 0
+        for part in self.stages or [self.module]:
+            if isinstance(part, DistributedDataParallel):
+                part = part.module
+            compiled += apply_compile(part, spec)
+        return compiled
+
 
 def _on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
@@ -95,7 +107,7 @@ def _parallelize(
     apply_activation_checkpointing(
         model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every, spec
     )
-    if parallel.compile:
+    if parallel.compile is True:  # "auto" compiles later, if at all (parallel/compile.py CompileProbe)
         apply_compile(model, spec)
     if dims.mode in ("fsdp", "hsdp"):
         model = apply_fsdp(

@@ -100,10 +100,9 @@ def auto_plan(
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)
     p = cfg.parallel
-    # on a CPU host bf16 is no faster (the catalog's CPU entry has equal rates) and fp32 is the trainer's default
-    precisions = (
-        (cfg.precision.dtype,) if "precision.dtype" in given else (("fp32",) if gpu == "cpu" else ("bf16", "fp32"))
-    )
+    # on a CPU host bf16 is no faster (the catalog's CPU entry has equal rates) and fp32 is what dtype=auto runs there
+    pinned = "precision.dtype" in given and cfg.precision.dtype != "auto"
+    precisions = (cfg.precision.dtype,) if pinned else (("fp32",) if gpu == "cpu" else ("bf16", "fp32"))
     opts = SearchOptions(
         precisions=precisions,
         ac_modes=(p.activation_checkpoint,) if "parallel.activation_checkpoint" in given else AC_MODES,

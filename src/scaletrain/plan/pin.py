@@ -88,7 +88,7 @@ def pins_from_config(cfg: JobConfig, given: set[str], world: int | None) -> Pins
             continue
         section, attr = key.split(".")
         value = getattr(getattr(cfg, section), attr)
-        if value is None:
+        if value is None or value == "auto":  # precision.dtype=auto: the planner chooses, as when not set
             continue
         values[name], keys[name] = value, key
     if values.get("dp_shard") == -1:

@@ -18,6 +18,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.monitor import StepProgress, configure_logging, log
 from scaletrain.monitor.session import TrainMonitor, open_sinks
+from scaletrain.parallel.compile import CompileProbe
 from scaletrain.train.preemption import PreemptionWatch
 from scaletrain.train.trainer import NonFiniteError, StepResult, Trainer
 from scaletrain.train.watchdog import Watchdog
@@ -191,15 +192,61 @@ def train(cfg: JobConfig, console: TextIO | None = None) -> dict:
     return fit(trainer, console)
 
 
-def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
-    """Train `trainer` to train.steps with checkpoints, metrics, evaluation, preemption and hang detection."""
+class _CompileWatch:
+    """parallel.compile on the progress line: the probe's decision (compile=auto) and how long the step that
+    compiled the blocks took, which is about the compilation (the first step, or the first after the probe)."""
+
+    def __init__(self, trainer: Trainer, start_step: int, probe: CompileProbe | None):
+        self.trainer, self.probe = trainer, probe
+        self.compiling_step = start_step + 1 if trainer.cfg.parallel.compile is True else None
+        self.eager_step_s = 0.0
+        self._t0 = 0.0
+
+    def _clock(self) -> float:
+        import torch
+
+        if self.trainer.rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def before(self, step: int) -> None:
+        if step == self.compiling_step:
+            self._t0 = self._clock()
+
+    def after(self, step: int) -> None:
+        if step == self.compiling_step:
+            took = self._clock() - self._t0
+            log.info(
+                "compile: step %d took %.1f s with the blocks' compilation (eager steps: %.2f s)",
+                step,
+                took,
+                self.eager_step_s,
+            )
+        probe = self.probe
+        if probe is None or not probe.timing(step):
+            return
+        eager = probe.observe(step, self._clock())
+        if eager is None:
+            return
+        self.probe = None
+        decision = probe.decide(self.trainer.slowest(eager))  # every rank decides alike
+        log.info("%s", decision.describe())
+        if decision.compile:
+            self.trainer.model.compile_blocks(self.trainer.spec)
+            self.compiling_step, self.eager_step_s = step + 1, decision.eager_step_s
+
+
+def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileProbe | None = None) -> dict:
+    """Train `trainer` to train.steps with checkpoints, metrics, evaluation, preemption and hang detection.
+    compile_probe: how parallel.compile=auto decides (default: CompileProbe's measured figures)."""
     cfg, rt = trainer.cfg, trainer.rt
     out = cfg.run_dir()
     ckpt = open_checkpoints(trainer, out)
     start_step = resume(trainer, ckpt)
     outputs = _Outputs(trainer, out, start_step, console)
+    compile_mode = {True: "compiled", False: "eager", "auto": "compile auto"}[cfg.parallel.compile]
     log.info(
-        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d",
+        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d, %s, %s",
         cfg.model.name,
         rt.world_size,
         rt.device.type,
@@ -209,7 +256,12 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
         cfg.train.global_batch_size,
         cfg.data.seq_len,
         trainer.resolved.accumulation,
+        cfg.precision.dtype + (f" + fp8 {cfg.precision.fp8}" if cfg.precision.fp8 != "none" else ""),
+        compile_mode,
     )
+    if cfg.parallel.compile == "auto" and compile_probe is None:
+        compile_probe = CompileProbe(cfg.train.steps, start_step)
+    compile_watch = _CompileWatch(trainer, start_step, compile_probe)
     if trainer.model.pipeline is not None:
         log.info("%s", trainer.model.pipeline.describe())
     if trainer.model.context is not None:
@@ -226,7 +278,9 @@ def fit(trainer: Trainer, console: TextIO | None = None) -> dict:
     try:
         with PreemptionWatch() as preemption, watchdog:
             for step in range(start_step + 1, cfg.train.steps + 1):
+                compile_watch.before(step)
                 result = trainer.train_step(step, mon.timer, watchdog.beat)
+                compile_watch.after(step)
                 window.steps += 1
                 last = step == cfg.train.steps
                 if step % cfg.monitor.log_interval == 0 or last:

@@ -7,7 +7,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletrain.config.precisions import precision
+from scaletrain.config.precisions import precision, resolve_dtype
 from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.config.schema import JobConfig
 from scaletrain.data.checks import check_data, token_id_range  # noqa: F401  (token_id_range: moved there)
@@ -35,8 +35,51 @@ def _stream_tokens(cfg: JobConfig, vocab_size: int) -> None:
     check_data(cfg.data, vocab_size, cfg.train.global_batch_size, cfg.run.seed)
 
 
+def settle_device_defaults(cfg: JobConfig, device_type: str | None = None) -> JobConfig:
+    """The job with precision.dtype=auto and parallel.compile=auto decided for the device its ranks run on
+    (`device_type`, default: run.device on this host). dtype: config/precisions.py resolve_dtype. compile: off
+    on a CPU and where the pipeline schedule cannot be compiled; on with fp8 on a GPU (eager fp8 ran at half the
+    speed of bf16 on an H200: BENCHMARKS.md); otherwise it stays "auto" and the loop decides after timing the
+    first steps (parallel/compile.py CompileProbe). ValueError (one line) for fp8 with compile=false on a GPU."""
+    from scaletrain.parallel.runtime import pick_device_type
+
+    device = device_type or pick_device_type(cfg.run.device)
+    dtype = resolve_dtype(cfg.precision.dtype, cfg.precision.fp8, device, _bf16_supported(device))
+    compile_ = cfg.parallel.compile
+    fp8_on_gpu = cfg.precision.fp8 != "none" and device == "cuda"
+    if compile_ is False and fp8_on_gpu:
+        raise ValueError(
+            f"precision.fp8: {cfg.precision.fp8} without compile runs at about half the speed of plain bf16 on a "
+            f"GPU (its casts and scales run as separate kernels); set parallel.compile=true (or auto) or "
+            f"precision.fp8=none"
+        )
+    if compile_ == "auto":
+        if device != "cuda" or (cfg.parallel.pp > 1 and pipeline_schedule(cfg.parallel.pp_schedule).split_backward):
+            compile_ = False
+        elif fp8_on_gpu:
+            compile_ = True
+    if dtype == cfg.precision.dtype and compile_ == cfg.parallel.compile:
+        return cfg
+    return cfg.model_copy(
+        update={
+            "precision": cfg.precision.model_copy(update={"dtype": dtype}),
+            "parallel": cfg.parallel.model_copy(update={"compile": compile_}),
+        }
+    )
+
+
+def _bf16_supported(device_type: str) -> bool:
+    if device_type != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
-    """Check the config against a world size; raise ValueError whose message names the field and the fix."""
+    """Check the config against a world size; raise ValueError whose message names the field and the fix.
+    precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
+    cfg = settle_device_defaults(cfg)
     spec = model_spec(cfg.model)
     if cfg.data.source in ("stdlib", "auto") and not cfg.data.path and not cfg.data.mix and spec.vocab_size < 256:
         raise ValueError(

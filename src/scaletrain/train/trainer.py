@@ -34,7 +34,7 @@ from scaletrain.parallel import (
 from scaletrain.train.job import Job
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.fingerprint import check_same_job
-from scaletrain.train.preflight import ResolvedJob, resolve_job
+from scaletrain.train.preflight import ResolvedJob, resolve_job, settle_device_defaults
 from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
 
 
@@ -92,6 +92,7 @@ class Trainer:
     def build(cls, cfg: JobConfig, rt: Runtime | None = None) -> Trainer:
         """Join the process group (unless `rt` is given), check the job, and build every part once."""
         device_type = pick_device_type(cfg.run.device)
+        cfg = settle_device_defaults(cfg, device_type)  # dtype and compile "auto" as this device decides them
         if rt is None:
             rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
         check_same_job(cfg, cfg.launch.collective_timeout_s)  # every node runs this job: before any collective
@@ -126,6 +127,14 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+
+    def slowest(self, seconds: float) -> float:
+        """The largest of every rank's `seconds` (a collective: every rank calls it)."""
+        if self.rt.world_size == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.rt.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
 
     def train_step(self, step: int, timer=NULL_TIMER, beat=None) -> StepResult:
         """One optimizer step `step` (1-based): forward and backward over this rank's micro-batches, clip, update,
