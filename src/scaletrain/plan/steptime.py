@@ -102,6 +102,11 @@ FP8_EAGER_OPS_PER_LINEAR = {"tensorwise": (24, 47), "rowwise": (30, 59)}
 # llama-1b mb 4 eager ran at 18,180 tokens/s with tensorwise fp8 against 36,343 without (shared/notes/gpu-h200.md);
 # the host time beyond the bf16 step's, over the 112 converted linears' counted ops at 17 us each, is 2.5x
 FP8_EAGER_OP_FACTOR = 2.5
+# eager float8 runs every cast as separate kernels (abs, amax, scale, clamp, convert), each reading and writing the
+# whole tensor: step_profile counts 66 bytes per element of a linear's input, weight and output gradient on CPU
+# (emulate=True), of which ~26 are the emulation's own dequantisation before its fp32 matmul; the ~40 left are 8x
+# the fused 5 (FP8_CAST_BYTES_PER_ELEMENT). unconfirmed estimate (the emulation's share is read off its code path)
+FP8_EAGER_CAST_FACTOR = 8.0
 LINEARS_PER_BLOCK = 7  # q, k, v, o, w1, w2, w3: what parallel/float8.py converts
 # ops autocast adds to one block, (forward, backward): the five input casts and seven weight casts, and their
 # backward conversions, counted as OPS_PER_BLOCK is (tests/test_plan_formulas.py); a checkpointed block casts again
@@ -197,7 +202,8 @@ def time_breakdown(
     kv = args.n_kv_heads * args.head_dim
     cast_elements = 2.0 * (6.0 * args.dim + args.ffn_dim) + 3.0 * args.dim + 2.0 * kv + 2.0 * args.ffn_dim
     # a third of the casts in forward (the layer_fwd x 3 convention below)
-    cast_fwd = np.where(fp8_on, tok * cast_elements * FP8_CAST_BYTES_PER_ELEMENT / 3.0 / tp / bw, 0.0)
+    cast_bytes_per_element = FP8_CAST_BYTES_PER_ELEMENT * (1.0 if work.compile else FP8_EAGER_CAST_FACTOR)
+    cast_fwd = np.where(fp8_on, tok * cast_elements * cast_bytes_per_element / 3.0 / tp / bw, 0.0)
     layer_fwd = (
         tok * matmul_flops_per_token_layer(args) / tp / r_block_mm
         + cast_fwd
