@@ -71,6 +71,9 @@ AUTOCAST_WEIGHT_CAST_BYTES = 12.0
 # checkpoint, nll and log-softmax backward, the cast back to bf16, the chunks' gradients joined), counted op by op
 # as step_profile counts them (tests/test_plan_formulas.py counts them again); was an unconfirmed 24
 LOSS_BYTES_PER_VOCAB = 66.0
+# Megatron's fused vocab-parallel cross-entropy (the GPT block's published runs) keeps the unconfirmed estimate:
+# logits, their fp32 copy, log-softmax and the gradients of each
+MEGATRON_LOSS_BYTES_PER_VOCAB = 24.0
 # unconfirmed estimate: fp8 casts per token of one block, forward + backward, in elements: the converted linears'
 # inputs (q/k/v and w1/w3 each cast their own copy of the hidden state unless sequence parallelism casts it once:
 # 5h, wo's h, w2's ffn), cast again along the other axis for the weight gradient, and their output gradients
@@ -183,7 +186,8 @@ def time_breakdown(
 
     # autocast (bf16 or fp16 compute without FSDP, whose MixedPrecisionPolicy casts the weights itself): an fp32
     # residual stream and per-linear input casts, counted in bytes (AUTOCAST_POINTWISE_*)
-    autocast = (e < 4.0) & (grid.dp_shard * grid.cp == 1)
+    # (Megatron's GPT block keeps bf16 weights with fp32 main gradients: no autocast there)
+    autocast = (e < 4.0) & (grid.dp_shard * grid.cp == 1) & (args.block != "gpt")
     # compiled blocks fuse the casts into the kernels around them: what is left is the all-bf16 block's traffic
     fused = work.compile
     autocast_ops = autocast
@@ -210,7 +214,8 @@ def time_breakdown(
         + tok * attention_flops_per_token_layer(args, s) / tp / r_attn
         + pointwise_fwd
     )
-    loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
+    loss_per_vocab = MEGATRON_LOSS_BYTES_PER_VOCAB if args.block == "gpt" else LOSS_BYTES_PER_VOCAB
+    loss_fwd = tok * loss_per_vocab / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
     # backward: twice the forward's FLOPs (and casts), and its own memory-bound ops
     layer_bwd, selective_fwd = 2.0 * (layer_fwd - pointwise_fwd) + pointwise_bwd, pointwise_fwd
@@ -221,7 +226,7 @@ def time_breakdown(
         layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
             args, tok, s, tp, r_mm, r_attn, (point_fwd_bytes, point_bwd_bytes), cluster, e
         )
-        loss_bytes = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp
+        loss_bytes = tok * loss_per_vocab / 3 * args.vocab_size / tp
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + pointwise_seconds(
             loss_bytes, loss_bytes / 3, cluster
         )
@@ -379,7 +384,8 @@ def time_breakdown(
     # a CPU calibration: at the bandwidth of a real step's memory-bound ops, counted as ADAMW_BYTES_PER_PARAM is
     # the in-place writes count on a GPU only: a CPU's copy bandwidth also pays a write-allocate read of every
     # line it writes, which an in-place op's write does not, so 64 bytes at it held (docs/planner.md, Time)
-    inplace = ADAMW_INPLACE_WRITE_BYTES if cluster.gpu.name != "cpu" else 0.0
+    # (and only for torch's foreach AdamW: Megatron's GPT runs step with a fused Adam kernel)
+    inplace = ADAMW_INPLACE_WRITE_BYTES if cluster.gpu.name != "cpu" and args.block != "gpt" else 0.0
     if cluster.measured_step_pointwise_bw:
         optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / cluster.measured_step_pointwise_bw
     else:
