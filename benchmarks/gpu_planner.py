@@ -87,7 +87,7 @@ def overrides(run: Run, a) -> list[str]:
 
 def predicted(run: Run, a, cluster) -> tuple[float, float]:
     """(step seconds, bytes max_memory_allocated should reach) the planner predicts for `run`."""
-    work = Workload(MODEL, preset_spec(MODEL).shape(), a.seq_len, run.micro_batch)
+    work = Workload(MODEL, preset_spec(MODEL).shape(), a.seq_len, run.micro_batch, compile=run.compile)
     row = evaluate_layout(work, cluster, Layout(1, 1, 1, 1, 1, run.micro_batch, 1, run.ac, "bf16", "none"))
     return row.step_s, row.memory_total - sum(row.memory.get(k, 0.0) for k in NOT_ALLOCATED)
 

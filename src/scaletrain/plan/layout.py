@@ -25,6 +25,9 @@ class Workload:
     global_batch: int
     # precision.fp8 of the job: the blocks' matmuls of bf16 layouts run at the GPU's fp8 rate (plan/steptime.py)
     fp8: str = "none"
+    # parallel.compile: Inductor fuses each block's memory-bound ops and launches its kernels from generated code
+    # (no per-op dispatch; plan/steptime.py)
+    compile: bool = False
 
     @property
     def tokens_per_step(self) -> int:

@@ -27,6 +27,9 @@ from scaletrain.plan.shapes import layout_columns, rank_params
 CUDA_CONTEXT_BYTES = 0.5e9  # unconfirmed: CUDA context + cuBLAS/cuDNN workspaces, typical 0.3-0.6 GB
 NCCL_BYTES_PER_GROUP = 0.25e9  # unconfirmed: NCCL_BUFFSIZE 4 MiB x up to 32 channels x 2, per communicator
 FRAGMENTATION_SHARE = 0.05  # unconfirmed: caching-allocator slack on the short-lived allocations
+# foreach AdamW's one full-size temporary: _foreach_sqrt(exp_avg_sqs), an fp32 list as large as the parameters
+# (torch/optim/adam.py _multi_tensor_adam; the other foreach ops work in place)
+OPTIMIZER_TEMP_BYTES = 4.0
 DDP_BUCKET_CAP_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb (ParallelConfig.ddp_bucket_cap_mb)
 
 MEMORY_LINES = (
@@ -297,7 +300,10 @@ def memory_breakdown(
         e * cols["n_tp"],
         e * (2 * cols["layer_tp"] + cols["root_tp"]) + np.where(unsharded, 0.0, (e + 4) * cols["layer_tp"]),
     )
-    autocast_copies = np.where(e < 4, e * cols["n_tp"], 0.0)  # autocast's cached low-precision weights (DDP)
+    # autocast's cached low-precision weights (DDP, one rank): every linear's, not the embedding's (autocast leaves
+    # embedding lookups in fp32), which a rank without pipeline stages holds
+    embedding = np.where(grid.pp == 1, float(args.vocab_size * args.dim) / grid.tp, 0.0)
+    autocast_copies = np.where(e < 4, e * (cols["n_tp"] - embedding), 0.0)
     lines["gathered/cast weights"] = np.where(fsdp, gathered_fsdp, autocast_copies)
 
     tok = grid.micro_batch * work.seq_len / grid.cp
@@ -337,6 +343,15 @@ def memory_breakdown(
         + lines["recompute working set"]
         + lines["gathered/cast weights"]
     )
+    # one rank, one micro-batch: the gradients and the activations are never held at once. zero_grad(set_to_none)
+    # freed the last step's gradients, so at the start of backward, when the activations peak, only the output
+    # layer's gradient exists; backward then frees a block's activations as it makes the block's gradients, and the
+    # optimizer step holds every gradient plus foreach AdamW's sqrt(v) list (OPTIMIZER_TEMP_BYTES per parameter).
+    # The gradients line is what gradients add to the larger of the two peaks.
+    alone = (grid.dp_replicate * grid.dp_shard * grid.tp * grid.pp * grid.cp == 1) & (m == 1)
+    output_grad = 4.0 * float(args.vocab_size * args.dim)
+    step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * cols["n_local"]
+    lines["gradients"] = np.where(alone, np.maximum(output_grad, step_peak - dynamic), lines["gradients"])
     lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
     return lines
 

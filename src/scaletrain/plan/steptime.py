@@ -54,9 +54,26 @@ from scaletrain.plan.shapes import (
 # fp32 gradient, and the weight-gradient accumulation of the norms. tests/test_plan_formulas.py counts them again.
 POINTWISE_FWD_H, POINTWISE_FWD_FFN = 34.0, 5.0
 POINTWISE_BWD_H, POINTWISE_BWD_FFN = 84.5, 24.0
-# unconfirmed estimate: bytes per token and vocabulary entry the loss moves, forward + backward (logits, their fp32
-# copy, log-softmax, and the gradients of each)
-LOSS_BYTES_PER_VOCAB = 24.0
+# the same block under autocast to bf16 (single-rank and DDP runs, train/job.py), in bytes per token, counted the same
+# way (tests/test_plan_formulas.py counts them again): the embedding and the fp32 weights keep the residual stream,
+# the norms and RoPE in fp32, each linear casts its fp32 input to bf16 on its own (q, k, v and w1, w3: five casts of
+# the norm outputs) and the casts' backward converts their gradients back to fp32, so the block moves 2-2.5x the
+# bytes of an all-bf16 block (34 x 2 = 68 bytes per dim forward). Fitted as a x dim + b x ffn_dim at two widths and
+# two FFN sizes (4 heads, 2 KV heads; within 0.1 % of each count), after the weight casts below.
+AUTOCAST_POINTWISE_FWD_H, AUTOCAST_POINTWISE_FWD_FFN = 180.0, 10.0
+AUTOCAST_POINTWISE_BWD_H, AUTOCAST_POINTWISE_BWD_FFN = 406.0, 108.0
+# autocast casts every linear's fp32 weight to bf16 once per micro-batch (its cache lives for one autocast region,
+# train/step.py enters one per micro-batch) and converts the bf16 weight gradient back to fp32: read 4 + write 2
+# bytes each way, per weight element of the blocks and the output layer (the embedding runs in fp32, uncast)
+AUTOCAST_WEIGHT_CAST_BYTES = 12.0
+# bytes per token and vocabulary entry the chunked loss (models/loss.py) moves on bf16 logits, forward + backward:
+# 18 forward (the fp32 copy of the logits, log-softmax, the gather), 48 backward (both again, recomputed under its
+# checkpoint, nll and log-softmax backward, the cast back to bf16, the chunks' gradients joined), counted op by op
+# as step_profile counts them (tests/test_plan_formulas.py counts them again); was an unconfirmed 24
+LOSS_BYTES_PER_VOCAB = 66.0
+# Megatron's fused vocab-parallel cross-entropy (the GPT block's published runs) keeps the unconfirmed estimate:
+# logits, their fp32 copy, log-softmax and the gradients of each
+MEGATRON_LOSS_BYTES_PER_VOCAB = 24.0
 # unconfirmed estimate: fp8 casts per token of one block, forward + backward, in elements: the converted linears'
 # inputs (q/k/v and w1/w3 each cast their own copy of the hidden state unless sequence parallelism casts it once:
 # 5h, wo's h, w2's ffn), cast again along the other axis for the weight gradient, and their output gradients
@@ -68,11 +85,36 @@ GRAD_ACCUMULATOR_BYTES = 4.0  # gradients accumulate in fp32 (FSDP2's reduce dty
 # on the built-in model, 64 (tests/test_plan_formulas.py counts them again). The p, g, m, v reads and p, m, v writes
 # alone would be 28; foreach AdamW's intermediates (sqrt(v), its bias correction, + eps) and the clip add the rest.
 ADAMW_BYTES_PER_PARAM = 64.0
+# ... and what that count leaves out: an in-place foreach op returns nothing, so step_profile sees only its inputs,
+# yet each writes its first list back: the weight decay, lerp_ (m), mul_ and addcmul_ (v), div_ and add_ (the sqrt
+# list), addcdiv_ (p) and the clip's mul_ (g), 8 x 4 bytes per parameter. A copy bandwidth counts read + write, so
+# against it a step moves 64 + 32 bytes; a CPU calibration's step bandwidth was measured in step_profile's own
+# convention and keeps 64.
+ADAMW_INPLACE_WRITE_BYTES = 32.0
 # eager ops one block dispatches per micro-batch, (forward, backward) by activation checkpointing mode, and those of
 # the embedding, final norm, output layer and loss: counted on the built-in block (tests/test_plan_formulas.py
 # counts them again with a TorchDispatchMode); checkpointed blocks re-run their forward inside backward
 OPS_PER_BLOCK = {"none": (88, 151), "selective": (94, 287), "full": (85, 294)}
 OPS_ROOT = (17, 34)
+# ATen ops torchao's Float8Linear adds to one linear in eager mode, (forward, backward) by recipe: the amax, scale
+# and cast of the input, the weight and the output gradient, each its own op; counted on CPU (emulate=True) with
+# count_dispatched_ops against a plain bf16 linear (tests/test_plan_formulas.py counts them again)
+FP8_EAGER_OPS_PER_LINEAR = {"tensorwise": (24, 47), "rowwise": (30, 59)}
+# host seconds of one of those ops over a plain op's (Cluster.op_overhead_s): each goes through the float8 tensor
+# subclass's Python __torch_dispatch__. Measured, not derived: on one H200 (2026-12-04, torch 2.11, torchao 0.18)
+# llama-1b mb 4 eager ran at 18,180 tokens/s with tensorwise fp8 against 36,343 without (shared/notes/gpu-h200.md);
+# the host time beyond the bf16 step's, over the 112 converted linears' counted ops at 17 us each, is 2.5x
+FP8_EAGER_OP_FACTOR = 2.5
+# eager float8 runs every cast as separate kernels (abs, amax, scale, clamp, convert), each reading and writing the
+# whole tensor: step_profile counts 66 bytes per element of a linear's input, weight and output gradient on CPU
+# (emulate=True), of which ~26 are the emulation's own dequantisation before its fp32 matmul; the ~40 left are 8x
+# the fused 5 (FP8_CAST_BYTES_PER_ELEMENT). unconfirmed estimate (the emulation's share is read off its code path)
+FP8_EAGER_CAST_FACTOR = 8.0
+LINEARS_PER_BLOCK = 7  # q, k, v, o, w1, w2, w3: what parallel/float8.py converts
+# ops autocast adds to one block, (forward, backward): the five input casts and seven weight casts, and their
+# backward conversions, counted as OPS_PER_BLOCK is (tests/test_plan_formulas.py); a checkpointed block casts again
+# when it recomputes its forward
+AUTOCAST_OPS_PER_BLOCK = (16, 22)
 
 TIME_LINES = (
     "compute",
@@ -142,20 +184,38 @@ def time_breakdown(
     bw = cluster.memory_bw
     tok = grid.micro_batch * s / cp  # tokens of one micro-batch on one rank (TP ranks share them)
 
-    point_fwd_bytes = tok * (POINTWISE_FWD_H * args.dim + POINTWISE_FWD_FFN * args.ffn_dim) * e / tp
-    point_bwd_bytes = tok * (POINTWISE_BWD_H * args.dim + POINTWISE_BWD_FFN * args.ffn_dim) * e / tp
+    # autocast (bf16 or fp16 compute without FSDP, whose MixedPrecisionPolicy casts the weights itself): an fp32
+    # residual stream and per-linear input casts, counted in bytes (AUTOCAST_POINTWISE_*)
+    # (Megatron's GPT block keeps bf16 weights with fp32 main gradients: no autocast there)
+    autocast = (e < 4.0) & (grid.dp_shard * grid.cp == 1) & (args.block != "gpt")
+    # compiled blocks fuse the casts into the kernels around them: what is left is the all-bf16 block's traffic
+    fused = work.compile
+    autocast_ops = autocast
+    autocast = autocast & (not fused)
+    point_fwd_bytes = np.where(
+        autocast,
+        tok * (AUTOCAST_POINTWISE_FWD_H * args.dim + AUTOCAST_POINTWISE_FWD_FFN * args.ffn_dim) / tp,
+        tok * (POINTWISE_FWD_H * args.dim + POINTWISE_FWD_FFN * args.ffn_dim) * e / tp,
+    )
+    point_bwd_bytes = np.where(
+        autocast,
+        tok * (AUTOCAST_POINTWISE_BWD_H * args.dim + AUTOCAST_POINTWISE_BWD_FFN * args.ffn_dim) / tp,
+        tok * (POINTWISE_BWD_H * args.dim + POINTWISE_BWD_FFN * args.ffn_dim) * e / tp,
+    )
     pointwise_fwd, pointwise_bwd = point_fwd_bytes / bw, point_bwd_bytes / bw
     kv = args.n_kv_heads * args.head_dim
     cast_elements = 2.0 * (6.0 * args.dim + args.ffn_dim) + 3.0 * args.dim + 2.0 * kv + 2.0 * args.ffn_dim
     # a third of the casts in forward (the layer_fwd x 3 convention below)
-    cast_fwd = np.where(fp8_on, tok * cast_elements * FP8_CAST_BYTES_PER_ELEMENT / 3.0 / tp / bw, 0.0)
+    cast_bytes_per_element = FP8_CAST_BYTES_PER_ELEMENT * (1.0 if work.compile else FP8_EAGER_CAST_FACTOR)
+    cast_fwd = np.where(fp8_on, tok * cast_elements * cast_bytes_per_element / 3.0 / tp / bw, 0.0)
     layer_fwd = (
         tok * matmul_flops_per_token_layer(args) / tp / r_block_mm
         + cast_fwd
         + tok * attention_flops_per_token_layer(args, s) / tp / r_attn
         + pointwise_fwd
     )
-    loss_fwd = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp / bw  # a third of it in forward
+    loss_per_vocab = MEGATRON_LOSS_BYTES_PER_VOCAB if args.block == "gpt" else LOSS_BYTES_PER_VOCAB
+    loss_fwd = tok * loss_per_vocab / 3 * args.vocab_size / tp / bw  # a third of it in forward
     out_fwd = tok * output_flops_per_token(args) / tp / r_mm + loss_fwd
     # backward: twice the forward's FLOPs (and casts), and its own memory-bound ops
     layer_bwd, selective_fwd = 2.0 * (layer_fwd - pointwise_fwd) + pointwise_bwd, pointwise_fwd
@@ -166,7 +226,7 @@ def time_breakdown(
         layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
             args, tok, s, tp, r_mm, r_attn, (point_fwd_bytes, point_bwd_bytes), cluster, e
         )
-        loss_bytes = tok * LOSS_BYTES_PER_VOCAB / 3 * args.vocab_size / tp
+        loss_bytes = tok * loss_per_vocab / 3 * args.vocab_size / tp
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + pointwise_seconds(
             loss_bytes, loss_bytes / 3, cluster
         )
@@ -279,7 +339,13 @@ def time_breakdown(
     accum_bytes = cols["n_local"] * (e + 2.0 * GRAD_ACCUMULATOR_BYTES)
     accum_kernel = np.minimum(accum_bytes, (e + 2.0 * GRAD_ACCUMULATOR_BYTES) * args.dim * args.ffn_dim / tp)
     accum_mb = (m - 1.0) / m * memory_seconds(accum_bytes, cluster, accum_kernel)
-    compute_mb = compute_mb + accum_mb
+    # autocast's weight casts, both ways, every micro-batch: the blocks' linears and the output layer on this rank
+    cast_weights = cols["layers"] * matmul_flops_per_token_layer(args) / 2.0 / tp + np.where(
+        cols["layers_head"] == cols["layers"], args.dim * args.vocab_size / tp, 0.0
+    )
+    cast_bytes = AUTOCAST_WEIGHT_CAST_BYTES * cast_weights
+    cast_mb = np.where(autocast, memory_seconds(cast_bytes, cluster, cast_bytes / np.maximum(cols["layers"], 1)), 0.0)
+    compute_mb = compute_mb + accum_mb + cast_mb
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
     # host falls behind the kernels (small models, small micro-batches)
@@ -288,12 +354,42 @@ def time_breakdown(
         [sum(OPS_PER_BLOCK["full"]), sum(OPS_PER_BLOCK["selective"])],
         sum(OPS_PER_BLOCK["none"]),
     )
-    dispatch = (layers * ops + sum(OPS_ROOT)) * cluster.op_overhead_s
-    dispatch_mb = dispatch if cluster.gpu.name == "cpu" else np.maximum(0.0, dispatch - mb)
+    ops_fwd = np.select(
+        [grid.ac == 2, grid.ac == 1],
+        [OPS_PER_BLOCK["full"][0], OPS_PER_BLOCK["selective"][0]],
+        OPS_PER_BLOCK["none"][0],
+    )
+    fwd_ops = layers * (ops_fwd + np.where(autocast_ops, AUTOCAST_OPS_PER_BLOCK[0], 0)) + OPS_ROOT[0]
+    cast_bwd = AUTOCAST_OPS_PER_BLOCK[1] + np.where(grid.ac > 0, AUTOCAST_OPS_PER_BLOCK[0], 0)
+    bwd_ops = layers * (ops - ops_fwd + np.where(autocast_ops, cast_bwd, 0)) + OPS_ROOT[1]
+    if work.fp8 in FP8_EAGER_OPS_PER_LINEAR:  # eager float8: its casts, each a (slower) subclass op
+        f8_fwd, f8_bwd = (LINEARS_PER_BLOCK * FP8_EAGER_OP_FACTOR * n for n in FP8_EAGER_OPS_PER_LINEAR[work.fp8])
+        recast = np.where(grid.ac > 0, f8_fwd, 0.0)  # a recomputed forward casts again
+        fwd_ops = fwd_ops + np.where(fp8_on, layers * f8_fwd, 0.0)
+        bwd_ops = bwd_ops + np.where(fp8_on, layers * (f8_bwd + recast), 0.0)
+    host_fwd, host_bwd = fwd_ops * cluster.op_overhead_s, bwd_ops * cluster.op_overhead_s
+    # a GPU runs a kernel once the host has dispatched it: where forward's kernels are shorter than their
+    # dispatch, the GPU idles for the difference, and no lead from later work can give that time back; where they
+    # are longer, the host's lead carries into backward. (One figure for the whole micro-batch, max(host, kernels),
+    # hid forward's idle time behind backward's long GEMMs.)
+    gpu_fwd = layers * layer_fwd + np.where(cols["layers_head"] == cols["layers"], out_fwd, 0.0)
+    gpu_bwd = np.maximum(mb - gpu_fwd, 0.0)
+    idle_fwd = np.maximum(0.0, host_fwd - gpu_fwd)
+    idle_bwd = np.maximum(0.0, host_bwd - gpu_bwd - np.maximum(0.0, gpu_fwd - host_fwd))
+    dispatch_mb = host_fwd + host_bwd if cluster.gpu.name == "cpu" else idle_fwd + idle_bwd
+    if fused:  # compiled: Inductor's generated code launches the fused kernels, no ATen dispatch per op
+        dispatch_mb = np.zeros_like(dispatch_mb)
     mb = mb + dispatch_mb
     ratio = bubble_ratio(grid.schedule, pp, m, grid.virtual_stages)
     # a CPU calibration: at the bandwidth of a real step's memory-bound ops, counted as ADAMW_BYTES_PER_PARAM is
-    optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / (cluster.measured_step_pointwise_bw or bw)
+    # the in-place writes count on a GPU only: a CPU's copy bandwidth also pays a write-allocate read of every
+    # line it writes, which an in-place op's write does not, so 64 bytes at it held (docs/planner.md, Time)
+    # (and only for torch's foreach AdamW: Megatron's GPT runs step with a fused Adam kernel)
+    inplace = ADAMW_INPLACE_WRITE_BYTES if cluster.gpu.name != "cpu" and args.block != "gpt" else 0.0
+    if cluster.measured_step_pointwise_bw:
+        optimizer = ADAMW_BYTES_PER_PARAM * cols["n_local"] / cluster.measured_step_pointwise_bw
+    else:
+        optimizer = (ADAMW_BYTES_PER_PARAM + inplace) * cols["n_local"] / bw
 
     lines = {
         "compute": m * compute_mb,
