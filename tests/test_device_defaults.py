@@ -49,6 +49,21 @@ def test_eager_fp8_on_a_gpu_is_refused_in_one_line_naming_compile(monkeypatch):
     assert message.startswith("precision.fp8: rowwise without compile") and "parallel.compile=true" in message
     assert "\n" not in message
     assert settled(["precision.fp8=rowwise", "parallel.compile=false"], "cpu").parallel.compile is False  # emulated
+    zero_bubble = ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble", "precision.fp8=tensorwise"]
+    with pytest.raises(ValueError, match=r"^precision.fp8: tensorwise needs compiled blocks on a GPU, which ZBV"):
+        settled(zero_bubble, "cuda")
+
+
+def test_the_planner_prices_fp8_on_a_gpu_compiled_and_never_with_a_schedule_compile_cannot_run(tmp_path):
+    """`scaletrain plan --fp8` prices what the trainer runs on a GPU: compiled blocks (no split-backward pipeline
+    schedule, which compile cannot run): the same layouts as with --compile."""
+    from conftest import run_cli_in_process
+
+    base = ["plan", "--model", "llama-8b", "--gpus", "16", "--gpu", "h100-sxm", "--top", "400", "--json"]
+    fp8 = run_cli_in_process([*base, "--fp8", "tensorwise"], tmp_path).stdout
+    assert "ZeroBubble" not in fp8 and "DualPipeV" not in fp8
+    eager = run_cli_in_process(base, tmp_path).stdout
+    assert "ZeroBubble" in eager or "DualPipeV" in eager  # eager bf16 does consider them
 
 
 def test_the_probe_compiles_when_the_steps_left_repay_the_compilation():

@@ -320,7 +320,15 @@ def _print_compare(budgets, tokens, work) -> None:
     type=click.Choice(["none", "tensorwise", "rowwise"]),
     default="none",
     show_default=True,
-    help="precision.fp8: bf16 layouts run the blocks' matmuls at the GPU's fp8 rate.",
+    help="precision.fp8: bf16 layouts run the blocks' matmuls at the GPU's fp8 rate (priced compiled on a GPU, as "
+    "the trainer runs fp8 there).",
+)
+@click.option(
+    "--compile/--eager",
+    "compiled",
+    default=False,
+    show_default=True,
+    help="parallel.compile: price compiled blocks (fused elementwise ops, no per-op dispatch) or eager ones.",
 )
 @click.option(
     "--ac",
@@ -366,6 +374,7 @@ def plan(
     usd_per_gpu_hour,
     pue,
     fp8,
+    compiled,
     as_json,
 ) -> None:
     """Plan a training job: memory, step time, MFU, bubble and communication of every layout, ranked and
@@ -461,7 +470,8 @@ def plan(
             shape,
             hf_path,
         )
-        work = dataclasses.replace(work, fp8=fp8)
+        # fp8 on a GPU always runs compiled (train/preflight.py: eager fp8 is refused there, at half bf16's speed)
+        work = dataclasses.replace(work, fp8=fp8, compile=compiled or (fp8 != "none" and gpu != "cpu"))
     except ValueError as e:
         fail(str(e))
     pins = None

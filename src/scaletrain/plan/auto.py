@@ -96,7 +96,9 @@ def auto_plan(
             f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
             f"set the layout with parallel.* instead"
         )
-    work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.fp8)
+    # compiled as the trainer will run it: asked for, or fp8 on a GPU (train/preflight.py settle_device_defaults)
+    compiled = cfg.parallel.compile is True or (cfg.precision.fp8 != "none" and gpu != "cpu")
+    work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.fp8, compiled)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)
     p = cfg.parallel

@@ -15,7 +15,7 @@ import numpy as np
 
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.config.precisions import PRECISION_NAMES
-from scaletrain.config.schedules import SCHEDULE_NAMES
+from scaletrain.config.schedules import SCHEDULE_NAMES, pipeline_schedule
 from scaletrain.plan.layout import AC_MODES, Layout, LayoutGrid, Workload
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MEMORY_LINES, MemoryOptions, memory_breakdown, total_bytes
 from scaletrain.plan.pin import Pins
@@ -160,7 +160,9 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
         mbs = [int(opts.pins.values["micro_batch"])]
     acs = [AC_MODES.index(a) for a in opts.ac_modes]
     precs = [PRECISION_NAMES.index(p) for p in opts.precisions]
-    scheds = [NO_PIPELINE] + [schedule_code(s) for s in opts.schedules]
+    # compiled blocks cannot run a schedule that splits backward (config/schema.py refuses the pair)
+    runnable = [s for s in opts.schedules if not (work.compile and pipeline_schedule(s).split_backward)]
+    scheds = [NO_PIPELINE] + [schedule_code(s) for s in runnable]
     inner = np.array(np.meshgrid(mbs, acs, precs, scheds, indexing="ij")).reshape(4, -1).T
     rows_b = np.repeat(b, len(inner), axis=0)
     rows_i = np.tile(inner, (len(b), 1))

@@ -53,8 +53,14 @@ def settle_device_defaults(cfg: JobConfig, device_type: str | None = None) -> Jo
             f"GPU (its casts and scales run as separate kernels); set parallel.compile=true (or auto) or "
             f"precision.fp8=none"
         )
+    split_backward = cfg.parallel.pp > 1 and pipeline_schedule(cfg.parallel.pp_schedule).split_backward
+    if fp8_on_gpu and split_backward:
+        raise ValueError(
+            f"precision.fp8: {cfg.precision.fp8} needs compiled blocks on a GPU, which {cfg.parallel.pp_schedule} "
+            f"(backward split in two) cannot have; use parallel.pp_schedule=1F1B or Interleaved1F1B, or precision.fp8=none"
+        )
     if compile_ == "auto":
-        if device != "cuda" or (cfg.parallel.pp > 1 and pipeline_schedule(cfg.parallel.pp_schedule).split_backward):
+        if device != "cuda" or split_backward:
             compile_ = False
         elif fp8_on_gpu:
             compile_ = True
