@@ -74,8 +74,13 @@ def prepare_cmd(
     """
     from concurrent.futures.process import BrokenProcessPool
 
+    from scaletrain.config.folders import check_writable_folder
     from scaletrain.data.prepare import PrepareError, PrepareOptions, prepare
 
+    try:
+        check_writable_folder(out, "--out")
+    except ValueError as e:
+        fail(str(e))
     opts = PrepareOptions(
         inputs=list(inputs),
         out=out,

@@ -110,6 +110,11 @@ def train(
         check_float8_device(cfg.precision.fp8, device_type)
         cfg = settle_device_defaults(cfg, device_type)  # the ranks start on this host: decide "auto" here, once
         resolve_job(cfg, world)
+        from scaletrain.config.folders import check_writable_folder
+
+        check_writable_folder(cfg.run_dir(), "run.output_dir")
+        if cfg.checkpoint.dir:
+            check_writable_folder(cfg.checkpoint.dir, "checkpoint.dir")
         if cfg.launch.nnodes > 1 and cfg.launch.rdzv_endpoint.endswith(":0"):
             raise ValueError("launch.rdzv_endpoint: a multi-node run needs a fixed host:port every node can reach")
         from scaletrain.launch.local import check_agent_supports, open_rendezvous

@@ -21,13 +21,13 @@ torchao is imported only here and only when fp8 is on: `import scaletrain` and t
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from scaletrain.models.library_noise import quiet_imports
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import block_container
 
@@ -53,16 +53,8 @@ def check_float8_device(fp8: str, device_type: str) -> None:
 def _torchao_float8() -> Any:
     """torchao.float8, imported quietly: on a host without CUDA torchao logs a warning for each CUDA-only kernel
     library it cannot load, which says nothing about fp8 training (emulated there)."""
-    # torch's pytree also warns that torchao registers an Enum it no longer needs registered (torchao 0.18.0)
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
+    with quiet_imports():  # also torch's pytree warning about torchao's Enums (models/library_noise.py)
         import torchao.float8 as float8
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
     return float8
 
 

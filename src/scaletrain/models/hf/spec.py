@@ -85,8 +85,11 @@ class HFSpec(ModelSpec):
     def _model_class(self) -> Any:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+        from scaletrain.models.library_noise import quiet_imports
+
         try:
-            return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
+            with quiet_imports():  # the lookup imports the modeling code, and through it torchao
+                return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
         except KeyError:
             raise ValueError(
                 f"model.hf: {self.architecture} ({self.config.model_type}) is not a causal language model "
