@@ -118,10 +118,13 @@ class Charts:
         zero: bool = False,
         points: bool = False,
     ) -> None:
-        """A line per (name, xs, ys), in x order; None and non-finite points are dropped."""
+        """A line per (name, xs, ys), drawn in the order given (not sorted: a series out of order shows as one);
+        None and non-finite points are dropped."""
         kept = []
         for name, xs, ys in series:
-            pts = sorted((x, y) for x, y in zip(xs, ys) if _ok(x) and _ok(y))
+            pts = [(x, y) for x, y in zip(xs, ys) if _ok(x) and _ok(y)]
+            if on_time:  # no line across the time between two attempts: nothing was sampled then
+                pts = _break_at(pts, self.marks.restart_times)
             if pts:
                 kept.append((name, pts))
         if not kept:
@@ -159,6 +162,16 @@ class Charts:
             ax.bar(steps, vals, width, bottom=base, color=PHASE_COLORS.get(name, "#999"), label=name)
             base = [b + v for b, v in zip(base, vals)]
         self._add(fig, ax, title, on_time=False)
+
+
+def _break_at(pts: list[tuple[float, float]], xs: list[float]) -> list[tuple[float, float]]:
+    """The points with a gap (a NaN, where matplotlib lifts the pen) wherever one of `xs` falls between two."""
+    out = pts[:1]
+    for a, b in zip(pts, pts[1:]):
+        if any(a[0] < x <= b[0] for x in xs):
+            out.append((b[0], math.nan))
+        out.append(b)
+    return out
 
 
 def _col(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

@@ -65,7 +65,7 @@ def probe_matmul_flops(device: torch.device, dtype: torch.dtype, seconds: float 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(FLOP/s of one device, or of this whole CPU host; where it came from), from the per-host cache or a probe
-    now (cached). OSError/RuntimeError when the probe cannot run."""
+    now (cached). RuntimeError when the probe cannot run."""
     path, key = peak_cache_file(), _probe_key(device, dtype)
     try:
         cache = json.loads(path.read_text())
@@ -79,10 +79,13 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]
     else:
         flops, when = probe_matmul_flops(device, dtype), time.strftime("%Y-%m-%d %H:%M")
         cache[key] = {"flops": flops, "measured": when}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=1) + "\n")
-        tmp.replace(path)  # atomic: two jobs starting on one host never leave half a file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1) + "\n")
+            tmp.replace(path)  # atomic: two jobs starting on one host never leave half a file
+        except OSError as e:  # still measured; the next run probes again
+            when += f", not cached: {e.strerror}"
     where = "this host, all cores" if device.type == "cpu" else "this device"
     return flops, f"measured on {where} ({str(dtype).removeprefix('torch.')} matmul probe, {when}; cache {path})"
 
@@ -103,6 +106,6 @@ def peak_flops(device: torch.device, dtype: str, world_size: int) -> tuple[float
         count = max(world_size // max(local, 1), 1)  # hosts: CPU ranks on one host share its cores
     try:
         flops, source = measured_peak(device, torch.bfloat16 if figure == "bf16" else torch.float32)
-    except (OSError, RuntimeError) as e:
+    except RuntimeError as e:  # e.g. out of memory, or a device that cannot multiply in this dtype
         return None, f"no known peak FLOP/s ({e}); {NO_PEAK_HINT}"
     return flops * count, f"{count} x {flops / 1e12:.3g} TFLOP/s {source}"
