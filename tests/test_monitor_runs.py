@@ -261,3 +261,27 @@ def test_fault_injection_is_an_environment_variable_refused_in_one_line_when_mal
         assert str(e.value).startswith(f"{FAULTS}: ") and named in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="monitor.fault_data_delay_ms"):  # no longer a config field
         load_config(None, ["monitor.fault_data_delay_ms=60"])
+
+
+def test_without_a_known_peak_there_is_no_mfu_and_the_report_says_how_to_get_one(tmp_path, monkeypatch):
+    import torch
+
+    from scaletrain.monitor import throughput
+    from scaletrain.monitor.report import build_report
+
+    def no_probe(device, dtype, seconds=0.3):
+        raise RuntimeError("probe out of memory")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(throughput, "probe_matmul_flops", no_probe)
+    peak, why = throughput.peak_flops(torch.device("cpu"), "fp32", 2)
+    assert peak is None and "probe out of memory" in why and "next run" in why
+
+    run = tmp_path / "runs" / "nopeak"
+    (run / "monitor").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 5.0 - s / 10, "tokens_per_s": 900.0}) + "\n" for s in (2, 4, 6))
+    )
+    (run / "monitor" / "meta.json").write_text(json.dumps({"device": "cpu", "peak_source": why}))
+    html = build_report(run)
+    assert "MFU —" in html and 'aria-label="MFU"' not in html and "placeholder" not in html.lower()
