@@ -1,19 +1,25 @@
-"""`scaletrain report RUN_DIR`: one self-contained HTML file (inline SVG, inline CSS, no script, nothing fetched at
-view time) with the run's plots and the bottleneck diagnosis. Every string that comes from a config, a log or a
-file name goes through html.escape."""
+"""`scaletrain report RUN_DIR`: one self-contained HTML file with the run's charts and the bottleneck diagnosis.
+
+The charts are drawn by matplotlib and embedded as inline SVG (no script, nothing fetched at view time, prints as
+vectors). The report reads one run: the folder's current run (monitor/run.json says when it started and how many
+attempts it took); restarts and evaluations are marked on every chart's axis. Every string that comes from a
+config, a log or a file name goes through html.escape (matplotlib escapes the text it writes into its SVG).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import time
 from html import escape
 from pathlib import Path
 
 from scaletrain.monitor.diagnosis import Thresholds, diagnose
 from scaletrain.monitor.metrics import read_jsonl
+from scaletrain.monitor.run_record import read_run_record
 from scaletrain.monitor.session import read_samples, read_top_ops
 
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 PHASE_COLORS = {
     "data": "#d62728",
     "forward": "#1f77b4",
@@ -22,152 +28,150 @@ PHASE_COLORS = {
     "optimizer": "#9467bd",
     "other": "#b0b0b0",
 }
-W, H, ML, MR, MT, MB = 560, 260, 64, 16, 30, 40
+RESTART = {"color": "#d62728", "linestyle": "--", "linewidth": 1.2}
+EVALUATION = {"color": "#7f7f7f", "linestyle": ":", "linewidth": 1.0}
+NO_MFU_HINT = (
+    "MFU needs a known peak: the GPU catalog's datasheet figure, or the matmul probe a run makes at start-up and "
+    "caches per host"
+)
 
 
 def _e(value) -> str:
     return escape(str(value), quote=True)
 
 
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+def _ok(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _fmt(v) -> str:
     a = abs(v)
     if a >= 1e9:
-        return f"{v / 1e9:g}G"
+        return f"{v / 1e9:.4g}G"
     if a >= 1e6:
-        return f"{v / 1e6:g}M"
+        return f"{v / 1e6:.4g}M"
     if a >= 1e4:
-        return f"{v / 1e3:g}k"
+        return f"{v / 1e3:.4g}k"
     return f"{v:.4g}"
 
 
-def _frame(
-    title: str,
-    xlabel: str,
-    ylabel: str,
-    x0,
-    x1,
-    y0,
-    y1,
-    body,
-    legend: list[tuple[str, str]],
-    xticks: list[tuple[float, str]] | None = None,
-) -> str:
-    pw, ph = W - ML - MR, H - MT - MB
+class Marks:
+    """Where the restarts and the evaluations fall on a step axis and on the time axis (seconds since run start)."""
 
-    def sx(x):
-        return ML + (x - x0) / ((x1 - x0) or 1) * pw
+    def __init__(self, records: list[dict], attempts: tuple[dict, ...]):
+        self.restart_steps = [a.get("start_step", 0) for a in attempts[1:]]
+        self.restart_times = [a.get("t_s", 0.0) for a in attempts[1:]]
+        self.eval_steps = sorted({r["step"] for r in records if _ok(r.get("val_loss"))})
+        timed = sorted((r["step"], r["t_s"]) for r in records if _ok(r.get("t_s")))
+        # an evaluation runs right after its step's log record: it takes that record's time
+        at = dict(timed)
+        self.eval_times = [at[s] for s in self.eval_steps if s in at]
 
-    def sy(y):
-        return MT + ph - (y - y0) / ((y1 - y0) or 1) * ph
-
-    parts = [
-        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-        f'viewBox="0 0 {W} {H}" role="img" aria-label="{_e(title)}">',
-        f'<text x="{W / 2}" y="18" text-anchor="middle" class="t">{_e(title)}</text>',
-    ]
-    for ty in _nice_ticks(y0, y1):
-        parts.append(
-            f'<line x1="{ML}" x2="{W - MR}" y1="{sy(ty):.1f}" y2="{sy(ty):.1f}" class="g"/>'
-            f'<text x="{ML - 4}" y="{sy(ty) + 4:.1f}" text-anchor="end">{_e(_fmt(ty))}</text>'
-        )
-    for tx, label in xticks if xticks is not None else [(t, _fmt(t)) for t in _nice_ticks(x0, x1)]:
-        parts.append(f'<text x="{sx(tx):.1f}" y="{H - MB + 14}" text-anchor="middle">{_e(label)}</text>')
-    parts.append(
-        f'<line x1="{ML}" x2="{W - MR}" y1="{MT + ph}" y2="{MT + ph}" class="a"/>'
-        f'<line x1="{ML}" x2="{ML}" y1="{MT}" y2="{MT + ph}" class="a"/>'
-    )
-    parts.append(
-        f'<text x="{ML + pw / 2}" y="{H - 6}" text-anchor="middle">{_e(xlabel)}</text>'
-        f'<text transform="translate(12 {MT + ph / 2}) rotate(-90)" text-anchor="middle">{_e(ylabel)}</text>'
-    )
-    parts.append(body(sx, sy))
-    lx = W - MR - 96  # legend in the top-right corner
-    for i, (name, color) in enumerate(legend):
-        y = MT + 10 + 14 * i
-        parts.append(
-            f'<rect x="{lx}" y="{y - 8}" width="10" height="10" fill="{color}"/>'
-            f'<text x="{lx + 14}" y="{y + 1}">{_e(name)}</text>'
-        )
-    parts.append("</svg>")
-    return "".join(parts)
+    def draw(self, ax, on_time: bool) -> None:
+        for i, x in enumerate(self.restart_times if on_time else self.restart_steps):
+            ax.axvline(x, **RESTART, label="restart" if i == 0 else None)
+        for i, x in enumerate(self.eval_times if on_time else self.eval_steps):
+            ax.axvline(x, **EVALUATION, label="evaluation" if i == 0 else None)
 
 
-def line_chart(title: str, series: list[tuple[str, list, list]], xlabel: str, ylabel: str, zero: bool = False) -> str:
-    """SVG line chart; series: (name, xs, ys). Missing (None) and non-finite points are dropped."""
-    series = [(n, [x for x, y in zip(xs, ys) if _ok(y)], [y for y in ys if _ok(y)]) for n, xs, ys in series]
-    series = [s for s in series if s[1]]
-    if not series:
-        return f'<p class="empty">{_e(title)}: no data</p>'
-    xs = [x for _, sx_, _ in series for x in sx_]
-    ys = [y for _, _, sy_ in series for y in sy_]
-    y0, y1 = (0.0 if zero else min(ys)), max(ys)
-    pad = (y1 - y0) * 0.05 or abs(y1) * 0.05 or 1.0
-    y0, y1 = (y0 if zero else y0 - pad), y1 + pad
+class Charts:
+    """The report's charts, each an inline SVG drawn by matplotlib; series carry ids (`series-<chart>-<n>`)."""
 
-    def body(sx, sy):
-        out = []
-        for i, (name, px, py) in enumerate(series):
-            color = COLORS[i % len(COLORS)]
-            pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(px, py))
-            out.append(
-                f'<polyline fill="none" stroke="{color}" stroke-width="1.8" points="{pts}">'
-                f"<title>{_e(name)}</title></polyline>"
-            )
-            if len(px) <= 60:
-                out += [
-                    f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}">'
-                    f"<title>{_e(name)}: {_e(_fmt(x))}, {_e(f'{y:.4g}')}</title></circle>"
-                    for x, y in zip(px, py)
-                ]
-        return "".join(out)
+    def __init__(self, marks: Marks):
+        self.marks = marks
+        self.html: list[str] = []
 
-    legend = [(n, COLORS[i % len(COLORS)]) for i, (n, _, _) in enumerate(series)] if len(series) > 1 else []
-    return _frame(title, xlabel, ylabel, min(xs), max(xs), y0, y1, body, legend)
+    def _axes(self, title: str, xlabel: str, ylabel: str):
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 3.2), layout="constrained")
+        ax = fig.add_subplot()
+        ax.set_title(title, fontsize=11, fontweight="bold")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, color="#e6e6e6", linewidth=0.8)
+        ax.set_axisbelow(True)
+        return fig, ax
+
+    def _add(self, fig, ax, title: str, on_time: bool) -> None:
+        import matplotlib
+
+        self.marks.draw(ax, on_time)
+        handles, labels = ax.get_legend_handles_labels()
+        if len(labels) > 1 or self.marks.restart_steps or self.marks.eval_steps:
+            # outside the axes, right of the data: a legend never hides a line
+            fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+        out = io.StringIO()
+        # svg.hashsalt: each chart's clip-path and marker ids differ from the others' in one HTML document
+        with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": f"chart{len(self.html)}"}):
+            fig.savefig(out, format="svg")
+        svg = out.getvalue()
+        self.html.append(f'<figure class="chart" aria-label="{_e(title)}">{svg[svg.index("<svg") :]}</figure>')
+
+    def lines(
+        self,
+        title: str,
+        series: list[tuple[str, list, list]],
+        xlabel: str,
+        ylabel: str,
+        on_time: bool = False,
+        zero: bool = False,
+        points: bool = False,
+    ) -> None:
+        """A line per (name, xs, ys), drawn in the order given (not sorted: a series out of order shows as one);
+        None and non-finite points are dropped."""
+        kept = []
+        for name, xs, ys in series:
+            pts = [(x, y) for x, y in zip(xs, ys) if _ok(x) and _ok(y)]
+            if on_time:  # no line across the time between two attempts: nothing was sampled then
+                pts = _break_at(pts, self.marks.restart_times)
+            if pts:
+                kept.append((name, pts))
+        if not kept:
+            self.html.append(f'<p class="empty">{_e(title)}: no data</p>')
+            return
+        fig, ax = self._axes(title, xlabel, ylabel)
+        n = len(self.html)
+        for i, (name, pts) in enumerate(kept):
+            style = {"marker": "o", "markersize": 4, "linestyle": "none"} if points else {"linewidth": 1.6}
+            (line,) = ax.plot([x for x, _ in pts], [y for _, y in pts], label=name, **style)
+            line.set_gid(f"series-{n}-{i}")
+        if zero:
+            ax.set_ylim(bottom=0)
+        self._add(fig, ax, title, on_time)
+
+    def loss(self, train: tuple[list, list], val: tuple[list, list]) -> None:
+        fig, ax = self._axes("Loss", "step", "cross-entropy, nats/token")
+        n = len(self.html)
+        (line,) = ax.plot(*train, linewidth=1.6, label="train")
+        line.set_gid(f"series-{n}-0")
+        if val[0]:
+            (dots,) = ax.plot(*val, marker="D", markersize=5, linestyle="none", color="#ff7f0e", label="validation")
+            dots.set_gid(f"series-{n}-1")
+        self._add(fig, ax, "Loss", on_time=False)
+
+    def stacked(self, title: str, steps: list[int], layers: list[tuple[str, list[float]]], ylabel: str) -> None:
+        """Stacked bars, one per log step (the phases of the step time)."""
+        if not steps:
+            self.html.append(f'<p class="empty">{_e(title)}: no data</p>')
+            return
+        fig, ax = self._axes(title, "step", ylabel)
+        width = 0.8 * min((b - a for a, b in zip(steps, steps[1:])), default=1)
+        base = [0.0] * len(steps)
+        for name, vals in layers:
+            ax.bar(steps, vals, width, bottom=base, color=PHASE_COLORS.get(name, "#999"), label=name)
+            base = [b + v for b, v in zip(base, vals)]
+        self._add(fig, ax, title, on_time=False)
 
 
-def stacked_bars(title: str, steps: list[float], layers: list[tuple[str, list[float]]], ylabel: str) -> str:
-    """SVG stacked bars, one per log step (phases of the step time)."""
-    if not steps:
-        return f'<p class="empty">{_e(title)}: no data</p>'
-    totals = [sum(vals[i] for _, vals in layers) for i in range(len(steps))]
-    y1 = max(totals) * 1.05 or 1.0
-    n = len(steps)
-
-    def body(sx, sy):
-        bw = max(sx(0.8) - sx(0), 1.0)
-        out = []
-        for i, step in enumerate(steps):
-            x = sx(i + 0.1)
-            base = 0.0
-            for name, vals in layers:
-                v = vals[i]
-                if v > 0:
-                    out.append(
-                        f'<rect x="{x:.1f}" y="{sy(base + v):.1f}" width="{bw:.1f}" '
-                        f'height="{sy(base) - sy(base + v):.1f}" fill="{PHASE_COLORS.get(name, "#999")}">'
-                        f"<title>step {_e(_fmt(step))} {_e(name)}: {v:.2f} ms</title></rect>"
-                    )
-                base += v
-        return "".join(out)
-
-    legend = [(name, PHASE_COLORS.get(name, "#999")) for name, _ in layers]
-    every = max(n // 8, 1)  # bars sit at their index; label about 8 of them with their step
-    ticks = [(i + 0.5, _fmt(steps[i])) for i in range(0, n, every)]
-    return _frame(title, "step", ylabel, 0, n, 0, y1, body, legend, ticks)
-
-
-def _ok(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _break_at(pts: list[tuple[float, float]], xs: list[float]) -> list[tuple[float, float]]:
+    """The points with a gap (a NaN, where matplotlib lifts the pen) wherever one of `xs` falls between two."""
+    out = pts[:1]
+    for a, b in zip(pts, pts[1:]):
+        if any(a[0] < x <= b[0] for x in xs):
+            out.append((b[0], math.nan))
+        out.append(b)
+    return out
 
 
 def _col(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -175,11 +179,37 @@ def _col(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return [s for s, _ in got], [v for _, v in got]
 
 
+def _per_rank(rows: list[dict], key: str, scale: float) -> list[tuple[str, list, list]]:
+    """One series per rank from a per-rank list field (a resume on another world size changes its length)."""
+    n = max((len(r.get(key) or []) for r in rows), default=0)
+    return [
+        (
+            f"rank {i}",
+            [r["step"] for r in rows if len(r.get(key) or []) > i],
+            [r[key][i] * scale for r in rows if len(r.get(key) or []) > i],
+        )
+        for i in range(n)
+    ]
+
+
 def _load_json(path: Path):
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
+
+
+def _run_facts(run_dir: Path) -> tuple[dict, tuple[dict, ...]]:
+    run = read_run_record(run_dir)
+    if run is None:
+        return {"run started": "not recorded (folder written before monitor/run.json)"}, ()
+    facts = {
+        "run started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(run.started_at)),
+        "attempts": len(run.attempts),
+    }
+    if run.resumed:
+        facts["resumed"] = ", ".join(f"at step {a['start_step']} ({a['t_s']:.0f} s)" for a in run.attempts[1:])
+    return facts, run.attempts
 
 
 def build_report(run_dir: Path) -> str:
@@ -194,96 +224,52 @@ def build_report(run_dir: Path) -> str:
     findings = diagnose(records, th, samples, top_ops, meta.get("pp_bubble_predicted"))
     train = [r for r in records if "loss" in r]
     timed = [r for r in train if "time_data_s" in r]
+    run_facts, attempts = _run_facts(run_dir)
 
-    charts = [
-        line_chart(
-            "Loss", [("train", *_col(train, "loss")), ("validation", *_col(records, "val_loss"))], "step", "loss"
-        ),
-        line_chart("Throughput", [("tokens/s", *_col(train, "tokens_per_s"))], "step", "tokens/s", zero=True),
-    ]
+    charts = Charts(Marks(records, attempts))
+    charts.loss(_col(train, "loss"), _col(records, "val_loss"))
+    charts.lines("Throughput", [("tokens/s", *_col(train, "tokens_per_s"))], "step", "tokens/s", zero=True)
     xs, mfu = _col(train, "mfu")
-    charts.append(line_chart("MFU", [("MFU", xs, [v * 100 for v in mfu])], "step", "% of peak", zero=True))
-    n_ranks = max((len(r.get("peak_mem_bytes_per_rank") or []) for r in timed), default=0)
+    if mfu:
+        charts.lines("MFU", [("MFU", xs, [v * 100 for v in mfu])], "step", "MFU, % of peak FLOP/s", zero=True)
     mem_label = "peak allocated, GB" if meta.get("device") == "cuda" else "peak RSS (CPU host), GB"
-    charts.append(
-        line_chart(
-            "Peak memory per rank",
-            [
-                (f"rank {i}", [r["step"] for r in timed], [r["peak_mem_bytes_per_rank"][i] / 1e9 for r in timed])
-                for i in range(n_ranks)
-            ],
-            "step",
-            mem_label,
-        )
-    )
+    charts.lines("Peak memory per rank", _per_rank(timed, "peak_mem_bytes_per_rank", 1e-9), "step", mem_label)
     phases = ("data", "forward", "backward", "comm", "optimizer", "other")
-    charts.append(
-        stacked_bars(
-            "Step time breakdown (rank mean)",
-            [r["step"] for r in timed],
-            [(p, [r.get(f"time_{p}_s", 0.0) * 1e3 for r in timed]) for p in phases],
-            "ms",
-        )
+    charts.stacked(
+        "Step time breakdown (rank mean)",
+        [r["step"] for r in timed],
+        [(p, [r.get(f"time_{p}_s", 0.0) * 1e3 for r in timed]) for p in phases],
+        "time per step, ms",
     )
-    charts.append(
-        line_chart(
-            "Busy time per rank (straggler check)",
-            [
-                (f"rank {i}", [r["step"] for r in timed], [r["busy_s_per_rank"][i] * 1e3 for r in timed])
-                for i in range(n_ranks)
-            ],
-            "step",
-            "ms per step",
-        )
+    charts.lines(
+        "Busy time per rank (straggler check)", _per_rank(timed, "busy_s_per_rank", 1e3), "step", "ms per step"
     )
-    gpu = any(s.get("kind") == "gpu" for rs in samples.values() for s in rs)
-    if gpu:
-        charts.append(
-            line_chart(
-                "GPU power per rank",
-                [
-                    (f"rank {r}", [s["t"] for s in rs], [s.get("power_w") for s in rs])
-                    for r, rs in sorted(samples.items())
-                ],
-                "seconds",
-                "W",
-            )
-        )
-        charts.append(
-            line_chart(
-                "GPU utilisation per rank",
-                [
-                    (f"rank {r}", [s["t"] for s in rs], [s.get("util_pct") for s in rs])
-                    for r, rs in sorted(samples.items())
-                ],
-                "seconds",
-                "%",
-                zero=True,
-            )
-        )
+
+    def sampled(key: str, scale: float = 1.0) -> list[tuple[str, list, list]]:
+        return [
+            (f"rank {r}", [s.get("t") for s in rs], [s[key] * scale if _ok(s.get(key)) else None for s in rs])
+            for r, rs in sorted(samples.items())
+        ]
+
+    since = "time since run start, s"
+    if any(s.get("kind") == "gpu" for rs in samples.values() for s in rs):
+        charts.lines("GPU power per rank", sampled("power_w"), since, "power, W", on_time=True)
+        charts.lines("GPU utilisation per rank", sampled("util_pct"), since, "utilisation, %", on_time=True, zero=True)
     elif samples:
-        charts.append(
-            line_chart(
-                "CPU host: process CPU per rank (no GPU)",
-                [
-                    (f"rank {r}", [s["t"] for s in rs], [s.get("process_cpu_pct") for s in rs])
-                    for r, rs in sorted(samples.items())
-                ],
-                "seconds",
-                "% of one core",
-                zero=True,
-            )
+        charts.lines(
+            "CPU host: process CPU per rank (no GPU)",
+            sampled("process_cpu_pct"),
+            since,
+            "CPU, % of one core",
+            on_time=True,
+            zero=True,
         )
-        charts.append(
-            line_chart(
-                "CPU host: resident memory per rank (no GPU)",
-                [
-                    (f"rank {r}", [s["t"] for s in rs], [s.get("rss_bytes", 0) / 1e9 for s in rs])
-                    for r, rs in sorted(samples.items())
-                ],
-                "seconds",
-                "RSS, GB",
-            )
+        charts.lines(
+            "CPU host: resident memory per rank (no GPU)",
+            sampled("rss_bytes", 1e-9),
+            since,
+            "resident set, GB",
+            on_time=True,
         )
 
     sev = {"bottleneck": "bad", "warning": "warn", "info": "info"}
@@ -297,8 +283,10 @@ def build_report(run_dir: Path) -> str:
             '<div class="f ok"><b>No bottleneck found</b><p>No rule fired over the measured breakdown.</p></div>' + diag
         )
 
+    final_mfu = mfu[-1] * 100 if mfu else None
     facts = {
         "run folder": run_dir.name,
+        **run_facts,
         "device": meta.get("device_name"),
         "world size": meta.get("world_size"),
         "layout": meta.get("layout") or summary.get("layout"),
@@ -307,6 +295,7 @@ def build_report(run_dir: Path) -> str:
         "final loss": summary.get("final_loss"),
         "validation loss": summary.get("val_loss"),
         "tokens/s (whole run)": summary.get("tokens_per_s"),
+        "MFU (last log step)": f"{final_mfu:.2f}%" if final_mfu is not None else f"— ({NO_MFU_HINT})",
         "peak FLOP/s used for MFU": meta.get("peak_source"),
         "MFU convention": meta.get("mfu_convention"),
         "exposed-communication measure": (timed[-1].get("comm_measure") if timed else None),
@@ -326,6 +315,7 @@ def build_report(run_dir: Path) -> str:
             )
             + "</table>"
         )
+    no_mfu = "" if mfu else f'<p class="note">MFU —: {_e(meta.get("peak_source") or NO_MFU_HINT)}</p>'
     config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").is_file() else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -334,19 +324,22 @@ def build_report(run_dir: Path) -> str:
 <style>
 body {{ font: 14px system-ui, sans-serif; margin: 24px; color: #222; }}
 h1 {{ font-size: 22px; }} h2 {{ font-size: 17px; margin-top: 28px; }}
-.charts {{ display: flex; flex-wrap: wrap; gap: 12px; }}
-svg.chart {{ border: 1px solid #ddd; background: #fff; }}
-svg text {{ font-size: 11px; fill: #333; }} svg text.t {{ font-size: 13px; font-weight: bold; }}
-svg .g {{ stroke: #eee; }} svg .a {{ stroke: #888; }}
+.charts {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 12px; }}
+figure.chart {{ margin: 0; border: 1px solid #ddd; background: #fff; padding: 4px; }}
+figure.chart svg {{ width: 100%; height: auto; display: block; }}
 .f {{ border-left: 5px solid; padding: 6px 12px; margin: 8px 0; background: #fafafa; }}
 .f p {{ margin: 4px 0; }} .bad {{ border-color: #d62728; }} .warn {{ border-color: #ff7f0e; }}
-.info {{ border-color: #1f77b4; }} .ok {{ border-color: #2ca02c; }}
+.info {{ border-color: #1f77b4; }} .ok {{ border-color: #2ca02c; }} .note {{ color: #555; }}
 table {{ border-collapse: collapse; }} th, td {{ text-align: left; padding: 3px 10px; border-bottom: 1px solid #eee; }}
-pre {{ background: #f6f6f6; padding: 10px; overflow-x: auto; }}
+pre {{ background: #f6f6f6; padding: 10px; overflow-x: auto; white-space: pre-wrap; }}
+@media print {{
+  body {{ margin: 0; }} .charts {{ grid-template-columns: 1fr 1fr; }}
+  figure.chart {{ break-inside: avoid; border: none; }}
+}}
 </style></head><body>
 <h1>scaletrain report: {_e(run_dir.name)}</h1>
 <h2>Diagnosis</h2>{diag}
-<h2>Plots</h2><div class="charts">{"".join(charts)}</div>
+<h2>Plots</h2>{no_mfu}<div class="charts">{"".join(charts.html)}</div>
 <h2>Run</h2><table>{fact_rows}</table>
 {ops}
 <h2>Config</h2><pre>{_e(config)}</pre>

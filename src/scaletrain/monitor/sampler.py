@@ -30,11 +30,13 @@ def _nvml_handle(device: torch.device):
 
 
 class DeviceSampler:
-    def __init__(self, path: Path, rank: int, device: torch.device, interval_s: float):
+    def __init__(self, path: Path, rank: int, device: torch.device, interval_s: float, t0: float, append: bool = False):
+        """t0: Unix seconds the samples' `t` counts from (the run's start, so a resumed run's samples go on from
+        the first attempt's); append: continue the file (a resumed run) instead of starting it anew."""
         self.path, self.rank, self.device, self.interval_s = path, rank, device, interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"scaletrain-sampler-{rank}", daemon=True)
-        self._t0 = time.time()
+        self._t0, self._mode = t0, "a" if append else "w"
 
     def start(self) -> DeviceSampler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,7 @@ class DeviceSampler:
 
             log.warning("rank %d: device sampling off (%s)", self.rank, e)
             return
-        with open(self.path, "a", buffering=1) as f:
+        with open(self.path, self._mode, buffering=1) as f:
             while not self._stop.wait(self.interval_s):
                 try:
                     rec = {"t": round(time.time() - self._t0, 3), "rank": self.rank, **read()}

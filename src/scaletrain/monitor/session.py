@@ -1,7 +1,8 @@
 """The monitor the training loop drives: phase timer, sinks, device sampler, profiler window, MFU and the
 end-of-run diagnosis, behind a handful of calls so the loop stays readable:
 
-    mon = TrainMonitor(cfg.monitor, run_dir, ...)
+    run = begin_run(run_dir, rank, start_step)   # run_record.py: fresh or resumed, before any file is opened
+    mon = TrainMonitor(cfg.monitor, run_dir, run, ...)
     with mon.phase("data"): ...                  # also forward/backward inside forward_backward(timer=mon.timer)
     record = mon.on_log(record)                  # at log steps, on every rank (one small all-gather)
     mon.step_end(step)                           # profiler schedule
@@ -20,12 +21,14 @@ from scaletrain.monitor.diagnosis import Thresholds, diagnose, flagged
 from scaletrain.monitor.faults import injected_delays
 from scaletrain.monitor.metrics import JsonlSink, read_jsonl
 from scaletrain.monitor.progress import log
+from scaletrain.monitor.run_record import RunRecord, from_rank0, is_resumed
 from scaletrain.monitor.throughput import peak_flops
 from scaletrain.monitor.timing import NULL_TIMER, StepTimer, combine_ranks, gather_windows
 
 MFU_CONVENTION = (
     "model FLOPs/token (6N + 12·L·h·s, PaLM appendix B; no recompute) x tokens/s / "
-    "(world size x catalog dense peak for the compute dtype)"
+    "(the job's dense peak for the compute dtype: the catalog's datasheet figure per GPU, else a matmul probe "
+    "measured on this host; none known: no MFU)"
 )
 
 
@@ -37,13 +40,15 @@ def open_sinks(cfg, out: Path, start_step: int):
     """metrics.jsonl always; TensorBoard event files in out/tensorboard when monitor.tensorboard (rank 0 only)."""
     from scaletrain.monitor.tensorboard import MultiSink, TensorBoardSink
 
-    sinks: list = [JsonlSink(out / "metrics.jsonl", append=start_step > 0)]
+    sinks: list = [JsonlSink(out / "metrics.jsonl", append=is_resumed(start_step))]
     if cfg.tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard", purge_step=start_step + 1 if start_step else None))
     return MultiSink(sinks)
 
 
 def read_samples(run_dir: Path) -> dict[int, list[dict]]:
+    """rank -> its device samples, in time order. Folders written before each run started its files anew may hold
+    several runs, one after the other, in one file: only the last (after the last step back in time) is read."""
     out = {}
     for path in sorted((Path(run_dir) / "monitor").glob("samples_rank*.jsonl")):
         rows = []
@@ -52,6 +57,8 @@ def read_samples(run_dir: Path) -> dict[int, list[dict]]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut short by a stopped run
+        back = [i for i in range(1, len(rows)) if rows[i].get("t", 0) < rows[i - 1].get("t", 0)]
+        rows = rows[back[-1] :] if back else rows
         out[int(path.stem.removeprefix("samples_rank"))] = rows
     return out
 
@@ -66,6 +73,7 @@ class TrainMonitor:
         self,
         cfg,
         out: Path,
+        run: RunRecord,
         rank: int,
         world_size: int,
         device: torch.device,
@@ -79,14 +87,17 @@ class TrainMonitor:
     ):
         """pipeline_stages: this rank's stage modules when a pipeline schedule runs them (their forward passes
         are timed by hooks); pp_bubble: the schedule's predicted idle share, reported beside the measured one."""
-        self.cfg, self.out, self.rank, self.device = cfg, out, rank, device
+        self.cfg, self.out, self.run, self.rank, self.device = cfg, out, run, rank, device
         inject = injected_delays(rank)  # $SCALETRAIN_FAULTS, tests only; a malformed value fails every rank here
         self.timer = (
             StepTimer(device, model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=pipeline_stages)
             if cfg.breakdown
             else NULL_TIMER
         )
-        self.peak, peak_source = peak_flops(device, dtype, world_size)
+        # rank 0 alone finds the peak (a probe on a host's first run): ranks sharing its cores would skew it
+        self.peak, self.peak_source = from_rank0(lambda: peak_flops(device, dtype, world_size), rank)
+        if rank == 0 and self.peak is None:
+            log.warning("MFU —: %s", self.peak_source)
         self.flops_per_token = flops_per_token
         self.pp_bubble_predicted = pp_bubble
         self.sampler = None
@@ -94,7 +105,12 @@ class TrainMonitor:
             from scaletrain.monitor.sampler import DeviceSampler
 
             self.sampler = DeviceSampler(
-                out / "monitor" / f"samples_rank{rank}.jsonl", rank, device, cfg.sample_interval_s
+                out / "monitor" / f"samples_rank{rank}.jsonl",
+                rank,
+                device,
+                cfg.sample_interval_s,
+                t0=run.started_at,
+                append=run.continue_files,
             ).start()
         self.profiler = None
         if cfg.profile_at_step:
@@ -120,7 +136,7 @@ class TrainMonitor:
                 "layout": layout,
                 "dtype": dtype,
                 "peak_flops": self.peak,
-                "peak_source": peak_source,
+                "peak_source": self.peak_source,
                 "flops_per_token": flops_per_token,
                 "mfu_convention": MFU_CONVENTION,
                 "pp_bubble_predicted": self.pp_bubble_predicted,
@@ -132,7 +148,9 @@ class TrainMonitor:
         return self.timer.phase(name)
 
     def on_log(self, record: dict) -> dict:
-        """Add MFU and the rank-aggregated breakdown to a log record. Call on every rank at log steps."""
+        """Add the time since the run started (`t_s`, seconds), MFU and the rank-aggregated breakdown to a log
+        record. Call on every rank at log steps."""
+        record["t_s"] = round(self.run.t(), 3)
         if self.peak and self.flops_per_token and record.get("tokens_per_s"):
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak
         if isinstance(self.timer, StepTimer):  # enabled: the breakdown is on
@@ -147,6 +165,8 @@ class TrainMonitor:
         parts = []
         if "mfu" in record:
             parts.append(f"MFU {record['mfu']:.2%}")
+        elif self.flops_per_token and "tokens_per_s" in record:
+            parts.append("MFU —")  # no known peak: said once at start-up, and why
         st = record.get("step_time_s")
         if st and "time_data_s" in record:
             parts.append(

@@ -17,6 +17,7 @@ from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.monitor import StepProgress, configure_logging, log
+from scaletrain.monitor.run_record import begin_run
 from scaletrain.monitor.session import TrainMonitor, open_sinks
 from scaletrain.parallel.compile import CompileProbe
 from scaletrain.train.preemption import PreemptionWatch
@@ -110,6 +111,7 @@ class _Outputs:
         cfg, rt = trainer.cfg, trainer.rt
         self.out = out
         self.sink = None
+        run = begin_run(out, rt.rank, start_step)  # a fresh run clears the last one's outputs first
         if rt.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(to_toml(cfg))
@@ -123,6 +125,7 @@ class _Outputs:
         self.monitor = TrainMonitor(
             cfg.monitor,
             out,
+            run,
             rt.rank,
             rt.world_size,
             rt.device,
