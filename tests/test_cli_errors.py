@@ -186,3 +186,25 @@ def test_a_lost_rendezvous_store_is_one_line_and_its_host_keeps_it_after_a_failu
         with pytest.raises(RendezvousConnectionError):
             launch_local(cfg, 2, local.LocalRendezvous("127.0.0.1:29400", "127.0.0.1", server))
         assert slept == waits, (nnodes, server)
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["train", "run.output_dir=afile/runs"], "run.output_dir: "),
+        (["train", "run.output_dir=/proc/scaletrain-runs"], "run.output_dir: cannot create folders in /proc"),
+        (["train", "checkpoint.dir=afile/ckpt"], "checkpoint.dir: "),
+        (["data", "prepare", "corpus.txt", "--tokenizer", "bytes", "--out", "afile/out"], "--out: "),
+    ],
+)
+def test_an_output_folder_that_cannot_be_written_is_one_line_before_anything_starts(tmp_path, monkeypatch, args, field):
+    """A file where a folder must go, or /proc (root cannot write there either): refused before any rank or
+    tokenizer worker starts, instead of a rank failing with exit 1 and pointing at a log inside that same path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a folder\n")
+    (tmp_path / "corpus.txt").write_text("some text to tokenize\n")
+    result = CliRunner().invoke(main, args)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"scaletrain: error: {field}"), lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "corpus.txt"]  # nothing written

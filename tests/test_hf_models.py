@@ -219,6 +219,12 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     proc = run_cli(["train", f"model.hf={tmp_path}", "--nproc-per-node", "2"], tmp_path, check=False)
     assert proc.returncode == 2 and "has no config.json" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists()
+    # a real model's refusal: transformers imports torchao, whose failed .so loads and torch's pytree warnings
+    # must not come before the one line
+    moe = ["train", f"model.hf={folders['qwen3_moe']}", "parallel.tp=2", "parallel.dp_shard=1", "data.seq_len=64"]
+    proc = run_cli([*moe, "--nproc-per-node", "2"], tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("scaletrain: error: parallel.tp: ")
     # in-process: the same checks resolve_job runs before any rank starts
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
     assert "is not known to transformers" in _refusal([f"model.hf={tmp_path}"])

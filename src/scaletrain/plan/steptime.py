@@ -137,13 +137,21 @@ def peak_flops(cluster: Cluster, precision) -> np.ndarray:
     return table[np.asarray(precision)]
 
 
+# rowwise-scaled fp8 matmuls run slower than tensorwise ones (torch._scaled_mm with a scale per row takes a
+# CUTLASS kernel where one scale per tensor takes cuBLAS): torchtitan's Llama 3 8B on 8 x H100 with compile ran
+# 6,424 tokens/s rowwise vs 7,186 tensorwise (pytorch/torchtitan commit 7a04053, Jan 2025), 0.894x; the H200
+# llama-1b run of 2026-12-04 gave 0.907x (52,363 vs 57,717), which this figure was not taken from.
+FP8_RECIPE_MATMUL = {"tensorwise": 1.0, "rowwise": 6_424 / 7_186}
+
+
 def fp8_matmul_rate(cluster: Cluster, precision, fp8: str) -> np.ndarray:
     """Achievable FLOP/s of the blocks' matmuls: the fp8 peak x the matmul ceiling where fp8 is on, the layout is
     bf16 and the GPU has fp8 (its catalog entry); otherwise matmul_rate. A calibration measures bf16 matmuls only,
     so it scales by the datasheet's fp8/bf16 ratio. (On a CPU fp8 is emulated, in fp32: no speed-up, not modelled.)"""
     rate = matmul_rate(cluster, precision)
     g = cluster.gpu
-    return np.where(fp8_layouts(cluster, precision, fp8), rate * (g.fp8_flops or g.bf16_flops) / g.bf16_flops, rate)
+    fp8_rate = rate * (g.fp8_flops or g.bf16_flops) / g.bf16_flops * FP8_RECIPE_MATMUL.get(fp8, 1.0)
+    return np.where(fp8_layouts(cluster, precision, fp8), fp8_rate, rate)
 
 
 def fp8_layouts(cluster: Cluster, precision, fp8: str) -> np.ndarray:
