@@ -219,12 +219,8 @@ class _CompileWatch:
     def after(self, step: int) -> None:
         if step == self.compiling_step:
             took = self._clock() - self._t0
-            log.info(
-                "compile: step %d took %.1f s with the blocks' compilation (eager steps: %.2f s)",
-                step,
-                took,
-                self.eager_step_s,
-            )
+            eager = f" (eager steps took {self.eager_step_s:.2f} s)" if self.eager_step_s else ""
+            log.info("compile: step %d took %.1f s with the blocks' compilation%s", step, took, eager)
         probe = self.probe
         if probe is None or not probe.timing(step):
             return
