@@ -219,8 +219,8 @@ class _CompileWatch:
     def after(self, step: int) -> None:
         if step == self.compiling_step:
             took = self._clock() - self._t0
-            eager = f" (eager steps took {self.eager_step_s:.2f} s)" if self.eager_step_s else ""
-            log.info("compile: step %d took %.1f s with the blocks' compilation%s", step, took, eager)
+            before = f" (eager steps took {self.eager_step_s:.2f} s)" if self.eager_step_s else ""
+            log.info("compile: step %d took %.1f s with the blocks' compilation%s", step, took, before)
         probe = self.probe
         if probe is None or not probe.timing(step):
             return
