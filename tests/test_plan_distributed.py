@@ -296,8 +296,11 @@ def test_cpu_offload_trains_the_same_with_every_unit_offloaded(measured_2):
     """On a CPU host every tensor is on the CPU anyway; what is checked is that the offload policy reaches every
     FSDP unit (each block and the root), that the optimizer's states are the sharded CPU tensors of the parameters,
     and that the losses of 10 fp32 steps equal those without offload."""
-    for r in (r for r in measured_2 if "offload" in r):
+    offload_runs = [r for r in measured_2 if "offload" in r]
+    assert offload_runs, "no record of the offload run: nothing below would be checked"
+    for r in offload_runs:
         plain, offloaded = r["offload"]
+        assert len(plain["losses"]) == len(offloaded["losses"]) == 10
         assert offloaded["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=1e-6)
         assert plain["policies"] == ["OffloadPolicy"] * plain["units"]
         assert offloaded["policies"] == ["CPUOffloadPolicy"] * offloaded["units"]
