@@ -255,6 +255,7 @@ def test_export_hf_loads_in_transformers_and_imports_back(clean, tmp_path):
     assert losses(cwd / "runs/imported")[0] < losses(ref)[0] - 1.0
 
 
+@pytest.mark.slow  # its own launches; a non-finite step's skip/stop is unit-tested in test_train_units.py
 def test_non_finite_loss_stops_or_skips(tmp_path):
     base = [
         "train",
@@ -295,6 +296,7 @@ def _resume_copy(src: Path, dst: Path, upto: int) -> None:
             shutil.copytree(p, dst / "checkpoints" / p.name)
 
 
+@pytest.mark.slow  # 3 more launches; resuming on another layout is test_preempt_then_resume_on_another_layout_and_world_size
 def test_pipeline_checkpoints_load_into_fsdp_and_back(clean):
     cwd, ref = clean
     run_cli(["train", *JOB, "run.name=pp", "parallel.pp=2", "parallel.dp_shard=1", "checkpoint.keep=0"], cwd)

@@ -188,6 +188,7 @@ def test_resume_from_two_to_four_real_ranks_sees_every_sample_once_per_epoch(tmp
     assert second["state"]["consumed_samples"] == 160
 
 
+@pytest.mark.slow  # 1- and 2-rank launches; layout parity is test_parity.py's, prepared data reading is tested above without launching
 def test_layouts_keep_loss_parity_on_a_prepared_dataset(tmp_path):
     from scaletrain.data.sources import stdlib_documents
     from test_parallel_layouts import TOL, launch_runner, runner_losses
