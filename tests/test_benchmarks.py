@@ -9,6 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # runs the trainer and plain loops; what they run is tested in the trainer's own tests
 def test_overhead_benchmark_runs():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/overhead.py"), "--reps", "1", "--steps", "2", "--log-every", "1"],
@@ -20,6 +21,7 @@ def test_overhead_benchmark_runs():
     assert "plain torch" in proc.stdout and "scaletrain" in proc.stdout
 
 
+@pytest.mark.slow  # launches; the planner's memory formulas are test_plan_distributed.py's
 def test_memory_benchmark_runs(tmp_path):
     """Two variants of a miniature model, 1 step each; the table and its BENCHMARKS.md section render."""
     report = tmp_path / "BENCHMARKS.md"
@@ -99,6 +101,7 @@ def test_peers_benchmark_runs(tmp_path):
     assert "| torch-ddp |" in report.read_text() and "benchmarks/peers.py" in report.read_text()
 
 
+@pytest.mark.slow  # launches; checkpointing is test_checkpoint.py's
 def test_checkpoint_benchmark_runs(tmp_path):
     """Sync and async saves, restores and a SIGKILL recovery of the real CLI on a ~2 MB model; the report renders
     into its own section and leaves the rest of the file alone. Figures only need to exist and be positive."""
@@ -145,6 +148,7 @@ def test_checkpoint_benchmark_runs(tmp_path):
     assert "## Checkpoints: save stall, throughput, recovery" in text and "| **total**" in text
 
 
+@pytest.mark.slow  # prepares data; test_data_prepare.py
 def test_data_prepare_benchmark_runs(tmp_path):
     """Both sides (scaletrain prepare, datasets load + map) on a tiny corpus: same token count, the table renders."""
     pytest.importorskip("datasets")
@@ -169,6 +173,7 @@ def test_data_prepare_benchmark_runs(tmp_path):
     assert "## Data prepare: tokens/s against datasets.map" in report.read_text()
 
 
+@pytest.mark.slow  # launches; fp8 conversion is test_fp8.py's
 def test_fp8_benchmark_runs(tmp_path):
     """bf16 and emulated fp8 on 2 CPU ranks, 2 steps each: the loss table and the labelled ratio print."""
     proc = subprocess.run(

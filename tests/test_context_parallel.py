@@ -77,6 +77,7 @@ def test_head_and_tail_chunks_are_torchs_load_balanced_layout():
     assert cp_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
+@pytest.mark.slow  # launches of up to 8 ranks; cp's chunking and refusals stay fast in this module
 @pytest.mark.parametrize("layout", ["cp2", *LAYOUTS8])
 def test_losses_and_final_parameters_match_one_process(runs, layout):
     ref, got = runner_losses(runs / "single"), runner_losses(runs / layout)
@@ -101,6 +102,7 @@ def _planner_saved_bytes(cp: int) -> float:
     return row.memory["activations"] + float(output_layer_saved_bytes_per_token(spec.shape(), 4, 1, False)) * tokens
 
 
+@pytest.mark.slow  # shares the cp launches above
 def test_activation_bytes_per_rank_fall_with_cp_as_the_planner_predicts(runs):
     one = json.loads((runs / "single" / "activations_rank0.json").read_text())
     two = [json.loads((runs / "cp2" / f"activations_rank{r}.json").read_text()) for r in range(2)]
@@ -131,6 +133,7 @@ def test_bad_cp_settings_are_one_line_before_launch(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # two CLI launches; cross-layout resume is test_checkpoint.py's
 def test_a_cp2_checkpoint_resumes_under_cp1_with_the_same_losses(tmp_path):
     job = [
         *BASE,

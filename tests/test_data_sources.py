@@ -3,7 +3,6 @@ masking, mixing by weight with its exact-prefix guarantee, on-disk sample orders
 world sizes in real processes."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,8 @@ from scaletrain.config.schema import MixEntry
 from scaletrain.data import DistributedLoader, TokenWindows, build_loaders, open_datasets
 from scaletrain.data.megatron import open_megatron
 from scaletrain.data.mix import MixSchedule
-from scaletrain.data.sources import cache_folder
+from scaletrain.data.manifest import DatasetError
+from scaletrain.data.sources import CACHE_NAME, cache_folder
 from scaletrain.models.loss import IGNORE_INDEX
 
 RUNNER = Path(__file__).resolve().parent / "data_runner.py"
@@ -111,32 +111,59 @@ def test_mixed_loader_resumes_at_another_world_size_with_cached_orders(tmp_path)
     assert isinstance(ref._order(0, 0), np.memmap)  # mapped from the file, not held by the rank
 
 
+def _same_step(a: list, b: list) -> bool:
+    """Two loaders' steps hold the same micro-batches (as many of them, and not none)."""
+    return len(a) == len(b) > 0 and all((p.inputs == q.inputs).all() for p, q in zip(a, b))
+
+
 def test_prefetch_returns_the_same_steps_and_follows_a_resume():
     windows = TokenWindows(np.arange(5_001), 10)
     plain = DistributedLoader(windows, 8, 4, 1, 2, seed=2)
     ahead = DistributedLoader(windows, 8, 4, 1, 2, seed=2, prefetch=3)
     for _ in range(4):
-        assert all((p.inputs == q.inputs).all() for p, q in zip(plain.next_step(), ahead.next_step()))
+        assert _same_step(plain.next_step(), ahead.next_step())
     plain.load_state_dict({"consumed_samples": 80, "seed": 2})
     ahead.load_state_dict({"consumed_samples": 80, "seed": 2})  # prefetched steps 5-7 are dropped
     for _ in range(2):
-        assert all((p.inputs == q.inputs).all() for p, q in zip(plain.next_step(), ahead.next_step()))
+        assert _same_step(plain.next_step(), ahead.next_step())
     ahead.close()
 
 
 def test_read_only_data_folder_caches_elsewhere(tmp_path, monkeypatch):
-    ro = tmp_path / "ro"
-    write_prepared(ro, {"train": [list(range(50))] * 4})
+    """Data in a folder nobody may write into keeps its index arrays under XDG_CACHE_HOME. CI runs as root, whom a
+    chmod-ed folder does not stop, so the unwritable folder is /proc/self, which root cannot write either; a
+    writable folder keeps its cache beside the data, and data.cache_dir wins over both."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    os.chmod(ro, 0o555)
+    in_proc = Path("/proc/self/status")  # cache_folder only reads where the file is, never the file
+    with pytest.raises(OSError):  # the premise: not even root can create the cache folder there
+        (in_proc.parent / CACHE_NAME).mkdir()
+    assert cache_folder(in_proc, None).is_relative_to(tmp_path / "xdg" / "scaletrain" / "data")
+    ds = tmp_path / "ds"
+    write_prepared(ds, {"train": [list(range(50))] * 4})
+    assert cache_folder(ds, None) == ds / CACHE_NAME
+    assert cache_folder(ds, str(tmp_path / "c")).parent == tmp_path / "c"
+
+
+# remove the mark once src/scaletrain/data/sources.py:cache_folder sees this case (strict: a pass fails the suite)
+@pytest.mark.xfail(
+    strict=True,
+    raises=FileExistsError,
+    reason="cache_folder asks os.access of the writable data folder, so it returns a FILE named .scaletrain-cache "
+    "as the cache folder and the first step dies with FileExistsError (issue 27 finding)",
+)
+def test_a_file_where_the_cache_folder_goes_is_not_taken_for_it(tmp_path, monkeypatch):
+    """A file named .scaletrain-cache beside the data (root cannot write into it either): the loader caches
+    elsewhere, or refuses in one DatasetError naming it, instead of a traceback on the first step."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    ds = tmp_path / "ds"
+    write_prepared(ds, {"train": [list(range(50))] * 40})
+    (ds / CACHE_NAME).write_text("not a folder")
     try:
-        if os.access(ro, os.W_OK):
-            pytest.skip("running as root: a read-only folder is still writable")
-        assert cache_folder(ro, None).is_relative_to(tmp_path / "xdg")
-    finally:
-        os.chmod(ro, 0o755)
-    assert cache_folder(ro, None) == ro / ".scaletrain-cache"
-    assert cache_folder(ro, str(tmp_path / "c")).parent == tmp_path / "c"
+        loader = build_loaders(DataConfig(path=str(ds), seq_len=8, prefetch=0), 256, 3, 4, 4, 0, 1)[0]
+        assert len(loader.next_step()) == 1
+    except DatasetError as e:
+        assert CACHE_NAME in str(e)
+    assert (ds / CACHE_NAME).read_text() == "not a folder"
 
 
 def _launch(nproc: int, args: list[str], cwd: Path) -> None:
@@ -161,6 +188,7 @@ def test_resume_from_two_to_four_real_ranks_sees_every_sample_once_per_epoch(tmp
     assert second["state"]["consumed_samples"] == 160
 
 
+@pytest.mark.slow  # 1- and 2-rank launches; layout parity is test_parity.py's, prepared data reading is tested above without launching
 def test_layouts_keep_loss_parity_on_a_prepared_dataset(tmp_path):
     from scaletrain.data.sources import stdlib_documents
     from test_parallel_layouts import TOL, launch_runner, runner_losses
@@ -176,4 +204,5 @@ def test_layouts_keep_loss_parity_on_a_prepared_dataset(tmp_path):
     assert len(ref) == 10 and ref[-1] < ref[0]
     for name in jobs:
         got = runner_losses(tmp_path / "two" / name)
+        assert len(got) == len(ref), (name, ref, got)
         assert max(abs(a - b) for a, b in zip(ref, got)) <= TOL, (name, ref, got)

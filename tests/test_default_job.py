@@ -2,9 +2,13 @@
 
 import json
 
+import pytest
+
 from conftest import losses, run_cli, val_losses
 
 
+@pytest.mark.slow  # 300 steps on 2 ranks (~6 min on a loaded 2-core host); a CLI launch whose loss falls is
+# test_parity.py's, and CI runs this job again on the minimum torch (tests/min_torch/run.sh)
 def test_default_train_loss_falls_and_reports_validation(tmp_path):
     proc = run_cli(["train"], tmp_path, timeout=900)
     run = tmp_path / "runs" / "default"

@@ -39,10 +39,11 @@ def runs(tmp_path_factory):
     return {name: runner_losses(out / name) for name in jobs}
 
 
+@pytest.mark.slow  # 50 steps of every fp8 layout; low precision training is test_precision.py's, fp8 conversion and refusals stay fast here
 @pytest.mark.parametrize("name", list(FP8_LAYOUTS))
 def test_fp8_trains_like_bf16(runs, name):
     ref, got = runs["bf16_fsdp2"], runs[name]
-    assert len(got) == STEPS and all(math.isfinite(x) for x in got)
+    assert len(got) == len(ref) == STEPS and all(math.isfinite(x) for x in got)
     assert got[-1] < got[0] - 2.0
     worst = max(abs(a - b) / b for a, b in zip(got, ref))
     assert worst <= REL_TOL, f"{name}: worst step differs from bf16 by {worst:.2%}"
@@ -61,6 +62,7 @@ CKPT = [
 ]
 
 
+@pytest.mark.slow  # two launches; resume is test_checkpoint.py's
 def test_fp8_checkpoint_resumes_the_same_losses_and_exports_plain_weights(tmp_path):
     """FSDP2 tensorwise (weights held in torchao's float8 all-gather wrapper, async DCP saves): a run resumed from
     its step-6 checkpoint gives the uninterrupted run's losses for steps 7-12 exactly, and the export is a plain

@@ -112,6 +112,7 @@ def _cases() -> list[tuple[str, str]]:
     return [(n, lay) for n in FAMILIES for lay in LAYOUTS if not _skipped(n, lay)]
 
 
+@pytest.mark.slow  # the 1- and 2-rank launches of every family; layout parity is test_parity.py's, HF config errors stay fast here
 @pytest.mark.parametrize(("family", "layout"), _cases())
 def test_every_layout_trains_a_hf_family_with_the_losses_of_one_process(runs, family, layout):
     ref, got = runner_losses(runs / f"{family}_single"), runner_losses(runs / f"{family}_{layout}")
@@ -120,6 +121,7 @@ def test_every_layout_trains_a_hf_family_with_the_losses_of_one_process(runs, fa
         assert abs(a - b) <= TOL, f"{family} {layout} step {step}: {b} vs single-process {a}"
 
 
+@pytest.mark.slow  # shares the HF launches
 def test_a_tied_embedding_whose_copies_share_a_pipeline_rank_trains_as_one_process(runs):
     ref, got = runner_losses(runs / "qwen3_deep_single"), runner_losses(runs / "qwen3_deep_pp2v")
     assert len(ref) == len(got) == 5 and ref[-1] < ref[0]
@@ -127,6 +129,7 @@ def test_a_tied_embedding_whose_copies_share_a_pipeline_rank_trains_as_one_proce
         assert abs(a - b) <= TOL, f"qwen3 ZBVZeroBubble step {step}: {b} vs single-process {a}"
 
 
+@pytest.mark.slow  # shares the HF launches
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, family):
     """Step 1's loss is computed before any update: transformers' from_pretrained model on the same batch."""
@@ -149,6 +152,7 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
     assert abs(ours - theirs) <= TOL, f"{family}: first loss {ours}, transformers' forward {theirs}"
 
 
+@pytest.mark.slow  # shares the HF launches; HF export is test_checkpoint.py's export test
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_logits(runs, folders, tmp_path, family):
     from transformers import AutoModelForCausalLM
@@ -180,6 +184,7 @@ def test_a_checkpoint_exports_to_a_folder_from_pretrained_loads_with_the_same_lo
     assert _file_keys(tmp_path / "out") == _file_keys(folders[family])
 
 
+@pytest.mark.slow  # shares the HF launches
 def test_train_through_the_cli_writes_the_same_run(runs, folders, tmp_path):
     """`scaletrain train model.hf=...` (the launch the other families skip): the same losses and final checkpoint
     as the trainer's loop in the shared launch."""

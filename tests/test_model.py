@@ -49,7 +49,8 @@ def test_init_depends_only_on_seed_and_name():
     spec.init_weights(m1, seed=3)
     m2.to_empty(device="cpu")
     spec.init_weights(m2, seed=3)
-    for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+    assert [n for n, _ in m1.named_parameters()] == [n for n, _ in m2.named_parameters()]
+    for (n, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters(), strict=True):
         assert torch.equal(p1, p2), n
 
 

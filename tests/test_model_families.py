@@ -35,6 +35,7 @@ def mlp_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # one launch per layout; the new family still trains through the CLI in the fast tier
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_new_family_trains_under_every_data_and_pipeline_layout(mlp_runs, layout):
     ref, got = runner_losses(mlp_runs / "single"), runner_losses(mlp_runs / layout)

@@ -217,6 +217,7 @@ def test_healthy_run_tensorboard_profile_samples_and_report_in_chromium(tmp_path
     assert any("report-test-probe" in line for line in console_lines(probe.stderr))
 
 
+@pytest.mark.slow  # a launch; the rule is unit-tested in test_monitor_diagnosis.py
 def test_slow_data_source_is_diagnosed_as_data_loader_bound(tmp_path):
     # the fault reaches the ranks only through the launcher passing the environment on
     run_cli(
@@ -226,6 +227,7 @@ def test_slow_data_source_is_diagnosed_as_data_loader_bound(tmp_path):
     assert [f["rule"] for f in got] == ["data_loader_bound"], got
 
 
+@pytest.mark.slow  # a launch; the rule is unit-tested in test_monitor_diagnosis.py
 def test_slow_rank_is_diagnosed_as_straggler_naming_it(tmp_path):
     proc = run_cli(
         ["train", *RUN, "run.name=slowrank", "monitor.sample_interval_s=0"],

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # launches every layout; refusals are test_parallel_plans.py's
 def test_layouts_benchmark_runs_and_lists_refused_layouts():
     proc = subprocess.run(
         [
@@ -34,6 +37,7 @@ def test_layouts_benchmark_runs_and_lists_refused_layouts():
     assert "parallel.tp: 2 does not divide model.n_kv_heads=1" in lines["tp2"]  # refused, with the reason
 
 
+@pytest.mark.slow  # launches; the balanced split is test_parallel_plans.py's
 def test_pp_balance_benchmark_runs():
     proc = subprocess.run(
         [

@@ -43,6 +43,10 @@ AC = {
     ],
 }
 
+# every test here shares launches of 1, 2 and 8 ranks plus CLI runs (the module's costliest part); the fast tier
+# keeps layout parity through test_parity.py (DDP, FSDP, HSDP, accumulation against one process)
+pytestmark = pytest.mark.slow
+
 
 def launch_runner(
     nproc: int,

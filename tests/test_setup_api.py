@@ -186,6 +186,7 @@ def _steps(stdout: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step (\d+) loss ([0-9.]+)", stdout, re.M)}
 
 
+@pytest.mark.slow  # 2- then 4-rank launches; setup() training is test_custom_loop_trains and test_fsdp_on_models_users_bring
 def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
     """examples/hf_causal_lm.py: a HF Llama on 2 ranks (tp=2, no plan given: the model's own base_model_tp_plan)
     saves at step 5 and stops; the run resumed on 4 ranks (FSDP 2 x TP 2, the user's TP plan this time) continues
@@ -217,6 +218,7 @@ def test_hf_example_tp_saves_and_resumes_on_another_rank_count(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # a launch of another example; setup() with FSDP is test_fsdp_on_models_users_bring
 def test_vision_example_fsdp_bf16_with_batchnorm():
     proc = _launch(ROOT / "examples" / "vision_bf16.py", [], 2)
     assert "layout fsdp (dp_shard=2)" in proc.stdout

@@ -78,7 +78,7 @@ def test_nonfinite_step_is_skipped_leaving_weights_and_optimizer_state_alone():
     state = {k: v.clone() for s in job.optimizer.state.values() for k, v in s.items()}
     _set_grads(job, [float("nan"), 0.2], 0.3)
     assert math.isnan(job.step(skip_nonfinite=True).item())
-    assert all(torch.equal(a, b) for a, b in zip(_params(job), params))
+    assert all(torch.equal(a, b) for a, b in zip(_params(job), params, strict=True))
     after = {k: v for s in job.optimizer.state.values() for k, v in s.items()}
     assert all(torch.equal(after[k], state[k]) for k in state)
     assert all(p.grad is None for p in job.model.parameters())
@@ -96,7 +96,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
     job.backward(job.model(x).sum())  # scaled by 1024; gradients: weight [1, 1], bias 1
     job.model.weight.grad[0, 0] = float("inf")  # an fp16 overflow
     assert math.isinf(job.step().item())
-    assert all(torch.equal(a, b) for a, b in zip(_params(job), before))
+    assert all(torch.equal(a, b) for a, b in zip(_params(job), before, strict=True))
     assert job.scaler.get_scale() == 512.0
 
     job.backward(job.model(x).sum())
