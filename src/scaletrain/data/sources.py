@@ -88,7 +88,9 @@ def cache_folder(data_path: Path, configured: str | None) -> Path:
         return Path(configured) / f"{data_path.name}-{key}"
     beside = data_path if data_path.is_dir() else data_path.parent
     existing = beside / CACHE_NAME
-    if os.access(existing if existing.is_dir() else beside, os.W_OK):
+    # a file (or anything not a folder) where the cache folder goes is not a cache: cache in the home cache instead
+    usable = existing.is_dir() or not (existing.exists() or existing.is_symlink())
+    if usable and os.access(existing if existing.is_dir() else beside, os.W_OK):
         return existing
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return home / "scaletrain" / "data" / f"{data_path.name}-{key}"
