@@ -470,8 +470,9 @@ def plan(
             shape,
             hf_path,
         )
-        # fp8 on a GPU always runs compiled (train/preflight.py: eager fp8 is refused there, at half bf16's speed)
-        work = dataclasses.replace(work, fp8=fp8, compile=compiled or (fp8 != "none" and gpu != "cpu"))
+        from scaletrain.plan.layout import runs_compiled
+
+        work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu))
     except ValueError as e:
         fail(str(e))
     pins = None

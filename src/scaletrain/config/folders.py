@@ -1,5 +1,6 @@
-"""Output folders checked before any work starts: a run folder or a prepared dataset's folder that cannot be
-written fails in one line naming the setting, instead of after the ranks (or the tokenizer workers) started."""
+"""Folders scaletrain writes to: output folders, checked before any work starts (a run folder or a prepared
+dataset's folder that cannot be written fails in one line naming the setting, instead of after the ranks or the
+tokenizer workers started), and this user's cache folder."""
 
 from __future__ import annotations
 
@@ -26,3 +27,9 @@ def check_writable_folder(path: str | Path, name: str) -> None:
             f"{name}: cannot create folders in {existing} ({e.strerror}); choose a folder you can write"
         ) from None
     os.rmdir(probe)
+
+
+def user_cache_dir() -> Path:
+    """This user's cache folder for scaletrain's per-host files (data index arrays, measured peaks):
+    $XDG_CACHE_HOME/scaletrain, default ~/.cache/scaletrain."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scaletrain"

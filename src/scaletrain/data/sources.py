@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scaletrain.config.folders import user_cache_dir
 from scaletrain.config.schema import DataConfig, MixEntry
 from scaletrain.data.manifest import DatasetError, DatasetManifest, is_prepared
 from scaletrain.data.megatron import MegatronIndex, open_megatron, prefix_of
@@ -92,8 +93,7 @@ def cache_folder(data_path: Path, configured: str | None) -> Path:
     usable = existing.is_dir() or not (existing.exists() or existing.is_symlink())
     if usable and os.access(existing if existing.is_dir() else beside, os.W_OK):
         return existing
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return home / "scaletrain" / "data" / f"{data_path.name}-{key}"
+    return user_cache_dir() / "data" / f"{data_path.name}-{key}"
 
 
 def detect_kind(path: str) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.config.folders import user_cache_dir
 from scaletrain.config.precisions import precision
 from scaletrain.hardware.catalog import GPUS
 from scaletrain.hardware.detect import catalog_name_for
@@ -29,8 +30,7 @@ NO_PEAK_HINT = "the start-up matmul probe measures one and caches it per host; i
 
 def peak_cache_file() -> Path:
     """Where measured peaks are kept: $XDG_CACHE_HOME/scaletrain/peak_flops.json (default ~/.cache)."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "scaletrain" / "peak_flops.json"
+    return user_cache_dir() / "peak_flops.json"
 
 
 def _probe_key(device: torch.device, dtype: torch.dtype) -> str:

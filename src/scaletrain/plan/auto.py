@@ -17,7 +17,7 @@ from scaletrain.config.load import parse_override
 from scaletrain.config.schedules import SCHEDULE_NAMES
 from scaletrain.hardware.calibration import apply_calibration, load_calibration
 from scaletrain.hardware.cluster import Cluster, make_cluster
-from scaletrain.plan.layout import AC_MODES, Layout, Workload
+from scaletrain.plan.layout import AC_MODES, Layout, Workload, runs_compiled
 from scaletrain.plan.search import PlanRow, SearchOptions, search_layouts
 
 PLAN_CHOICES = ("auto",)
@@ -96,8 +96,7 @@ def auto_plan(
             f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "
             f"set the layout with parallel.* instead"
         )
-    # compiled as the trainer will run it: asked for, or fp8 on a GPU (train/preflight.py settle_device_defaults)
-    compiled = cfg.parallel.compile is True or (cfg.precision.fp8 != "none" and gpu != "cpu")
+    compiled = runs_compiled(cfg.parallel.compile is True, cfg.precision.fp8, gpu)  # as the trainer will run it
     work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.fp8, compiled)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
     given = explicit_keys(path, overrides)

@@ -15,6 +15,12 @@ from scaletrain.models.spec import DecoderShape
 AC_MODES = ("none", "selective", "full")
 
 
+def runs_compiled(compile_asked: bool, fp8: str, gpu: str) -> bool:
+    """Whether the trainer runs the blocks compiled, for the planner to price them so: asked for, or fp8 on a GPU
+    (train/preflight.py settle_device_defaults compiles it there and refuses eager fp8)."""
+    return compile_asked or (fp8 != "none" and gpu != "cpu")
+
+
 @dataclass(frozen=True)
 class Workload:
     """A model and the batch it trains on: global_batch sequences of seq_len tokens per optimizer step."""

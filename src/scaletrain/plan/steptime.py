@@ -37,7 +37,7 @@ from scaletrain.plan.efficiency import (
     pointwise_seconds,
 )
 from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
-from scaletrain.plan.layout import LayoutGrid, Workload
+from scaletrain.plan.layout import AC_MODES, LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
 from scaletrain.plan.pipeline import bubble_ratio, p2p_factor
 from scaletrain.plan.shapes import (
@@ -357,19 +357,10 @@ def time_breakdown(
     mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb + fsdp_mb
     # the host dispatches every op of a micro-batch: a CPU device waits for it in line, a GPU only where the
     # host falls behind the kernels (small models, small micro-batches)
-    ops = np.select(
-        [grid.ac == 2, grid.ac == 1],
-        [sum(OPS_PER_BLOCK["full"]), sum(OPS_PER_BLOCK["selective"])],
-        sum(OPS_PER_BLOCK["none"]),
-    )
-    ops_fwd = np.select(
-        [grid.ac == 2, grid.ac == 1],
-        [OPS_PER_BLOCK["full"][0], OPS_PER_BLOCK["selective"][0]],
-        OPS_PER_BLOCK["none"][0],
-    )
+    ops_fwd, ops_bwd = np.asarray([OPS_PER_BLOCK[mode] for mode in AC_MODES])[np.asarray(grid.ac)].T
     fwd_ops = layers * (ops_fwd + np.where(autocast_ops, AUTOCAST_OPS_PER_BLOCK[0], 0)) + OPS_ROOT[0]
     cast_bwd = AUTOCAST_OPS_PER_BLOCK[1] + np.where(grid.ac > 0, AUTOCAST_OPS_PER_BLOCK[0], 0)
-    bwd_ops = layers * (ops - ops_fwd + np.where(autocast_ops, cast_bwd, 0)) + OPS_ROOT[1]
+    bwd_ops = layers * (ops_bwd + np.where(autocast_ops, cast_bwd, 0)) + OPS_ROOT[1]
     if work.fp8 in FP8_EAGER_OPS_PER_LINEAR:  # eager float8: its casts, each a (slower) subclass op
         f8_fwd, f8_bwd = (LINEARS_PER_BLOCK * FP8_EAGER_OP_FACTOR * n for n in FP8_EAGER_OPS_PER_LINEAR[work.fp8])
         recast = np.where(grid.ac > 0, f8_fwd, 0.0)  # a recomputed forward casts again
