@@ -54,6 +54,34 @@ def data() -> None:
 )
 @click.option("--overwrite", is_flag=True, help="Replace a dataset (or unfinished prepare) made with other arguments.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+@click.option(
+    "--format",
+    "data_format",
+    type=click.Choice(["text", "chat", "prompt-completion"]),
+    default="text",
+    show_default=True,
+    help="text: documents, every token trained. chat: records holding a messages list, rendered with the "
+    "tokenizer's chat template, loss on the assistant turns only. prompt-completion: two fields, loss on the "
+    "completion only.",
+)
+@click.option("--messages-key", default="messages", show_default=True, help="--format chat: the messages list's key.")
+@click.option("--prompt-key", default="prompt", show_default=True, help="--format prompt-completion: the prompt's key.")
+@click.option(
+    "--completion-key", default="completion", show_default=True, help="--format prompt-completion: the answer's key."
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="chat / prompt-completion: the longest sample kept whole (default 4096 tokens; see --overlong).",
+)
+@click.option(
+    "--overlong",
+    type=click.Choice(["truncate", "drop"]),
+    default=None,
+    help="chat / prompt-completion: cut a sample over --max-tokens to that length, or leave it out (default "
+    "truncate); the manifest counts both.",
+)
 def prepare_cmd(
     inputs: tuple[str, ...],
     out: Path,
@@ -65,12 +93,20 @@ def prepare_cmd(
     shard_tokens: int | None,
     overwrite: bool,
     progress: bool | None,
+    data_format: str,
+    messages_key: str,
+    prompt_key: str,
+    completion_key: str,
+    max_tokens: int | None,
+    overlong: str | None,
 ) -> None:
     """Tokenize INPUT... (text files or folders, JSON Lines (.jsonl, .jsonl.gz), Parquet, `datasets.save_to_disk`
     folders) into token shards with a manifest in --out.
 
-    A text file is one document. Rerunning an interrupted prepare with the same arguments finishes it without
-    redoing finished shards; manifest.json is written last, so an unfinished folder never looks complete.
+    A text file is one document. With --format chat or prompt-completion each record is one sample and a loss
+    mask beside the tokens says which tokens are trained (the answers). Rerunning an interrupted prepare with the
+    same arguments finishes it without redoing finished shards; manifest.json is written last, so an unfinished
+    folder never looks complete.
     """
     from concurrent.futures.process import BrokenProcessPool
 
@@ -81,6 +117,10 @@ def prepare_cmd(
         check_writable_folder(out, "--out")
     except ValueError as e:
         fail(str(e))
+    if data_format == "text":
+        for value, name in ((max_tokens, "--max-tokens"), (overlong, "--overlong")):
+            if value is not None:
+                fail(f"{name}: applies to --format chat or prompt-completion; drop it, or pass --format")
     opts = PrepareOptions(
         inputs=list(inputs),
         out=out,
@@ -90,9 +130,16 @@ def prepare_cmd(
         eos=eos,
         val_share=val_share,
         overwrite=overwrite,
+        format=data_format,
+        messages_key=messages_key,
+        prompt_key=prompt_key,
+        completion_key=completion_key,
+        overlong=overlong or "truncate",
     )
     if shard_tokens is not None:
         opts.shard_tokens = shard_tokens
+    if max_tokens is not None:
+        opts.max_tokens = max_tokens
     show = sys.stderr.isatty() if progress is None else progress
     bar = _ProgressBar() if show else None
     try:
@@ -121,6 +168,20 @@ def prepare_cmd(
         f"{m.tokenizer.vocab_size:,}; {result.seconds:.1f} s, {rate:,.0f} tokens/s with {opts.workers} "
         f"worker(s){resumed}"
     )
+    if opts.masked:
+        src = m.source
+        click.echo(
+            f"trained tokens: train {_share(train.num_trained, train.num_tokens)}, val "
+            f"{_share(val.num_trained, val.num_tokens)}; samples over {opts.max_tokens:,} tokens truncated "
+            f"{src['samples_truncated']:,}, dropped {src['samples_dropped_overlong']:,}; without a trained token "
+            f"dropped {src['samples_dropped_untrained']:,}"
+        )
+
+
+def _share(part: int | None, whole: int) -> str:
+    if part is None:
+        return f"{whole:,} (all)"
+    return f"{part:,} of {whole:,} ({100 * part / max(whole, 1):.1f}%)"
 
 
 class _ProgressBar:
@@ -156,12 +217,25 @@ class _ProgressBar:
 @data.command("inspect")
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option("--verify", is_flag=True, help="Check every file's sha256 against the manifest (reads all the data).")
-@click.option("--sample-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-def inspect_cmd(folder: Path, verify: bool, sample_tokens: int) -> None:
-    """Counts, shards, dtype and tokenizer of a prepared dataset, and a decoded sample."""
+@click.option(
+    "--sample-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tokens of the first sample to show (default 64; 1024 for chat / prompt-completion data).",
+)
+def inspect_cmd(folder: Path, verify: bool, sample_tokens: int | None) -> None:
+    """Counts, shards, dtype and tokenizer of a prepared dataset, and a decoded sample; for chat and
+    prompt-completion data the sample's untrained text is shown in [ ] (dimmed on a terminal), trained text plain."""
     import numpy as np
 
-    from scaletrain.data.manifest import DOCS_DTYPE, DatasetError, check_shard_sizes, read_manifest, verify_shards
+    from scaletrain.data.manifest import (
+        DOCS_DTYPE,
+        MASK_DTYPE,
+        DatasetError,
+        check_shard_sizes,
+        read_manifest,
+        verify_shards,
+    )
     from scaletrain.data.tokenizer import tokenizer_for
 
     try:
@@ -174,13 +248,24 @@ def inspect_cmd(folder: Path, verify: bool, sample_tokens: int) -> None:
     click.echo(f"tokenizer: {t.kind} {t.name} (vocabulary {t.vocab_size:,}, EOS {eos}, sha256 {t.fingerprint[:16]})")
     src = m.source
     if src:
+        key = "" if m.masked else f", text key {src.get('text_key')!r}"
         click.echo(
-            f"made from: {src.get('files', '?')} file(s), text key {src.get('text_key')!r}, val share "
+            f"made from: {src.get('files', '?')} file(s){key}, val share "
             f"{src.get('val_share')}, shard tokens {src.get('shard_tokens', '?'):,}"
         )
-    for name, split in m.splits.items():
+    if m.masked:
+        keys = " ".join(f"{k} {src[k]!r}" for k in ("messages_key", "prompt_key", "completion_key") if k in src)
         click.echo(
-            f"{name}: {split.num_documents:,} documents, {split.num_tokens:,} tokens, {len(split.shards)} shard(s)"
+            f"format: {src.get('format', '?')} ({keys}), loss on the answers only; samples over "
+            f"{src.get('max_tokens', '?'):,} tokens: {src.get('samples_truncated', 0):,} truncated, "
+            f"{src.get('samples_dropped_overlong', 0):,} dropped; {src.get('samples_dropped_untrained', 0):,} "
+            "without a trained token dropped"
+        )
+    for name, split in m.splits.items():
+        trained = "" if split.num_trained is None else f" ({_share(split.num_trained, split.num_tokens)} trained)"
+        click.echo(
+            f"{name}: {split.num_documents:,} documents, {split.num_tokens:,} tokens{trained}, "
+            f"{len(split.shards)} shard(s)"
         )
         for s in split.shards[:8]:
             click.echo(f"  {s.tokens}  {s.num_tokens:,} tokens  {s.num_documents:,} documents")
@@ -190,18 +275,37 @@ def inspect_cmd(folder: Path, verify: bool, sample_tokens: int) -> None:
         (verify_shards if verify else check_shard_sizes)(folder, m)
     except DatasetError as e:
         fail(str(e), code=EXIT_FAILED)
-    files = 2 * sum(len(s.shards) for s in m.splits.values())
+    files = sum(len(s.files()) for split in m.splits.values() for s in split.shards)
     click.echo(f"files: {files} present with the recorded sizes" + (", sha256 verified" if verify else ""))
 
     shards = m.splits["train"].shards or m.splits.get("val", m.splits["train"]).shards
     if not shards:
         return
     first = shards[0]
+    count = sample_tokens or (1024 if first.mask is not None else 64)
     end = int(np.fromfile(folder / first.docs, dtype=DOCS_DTYPE, count=1)[0])
-    ids = np.fromfile(folder / first.tokens, dtype=np.dtype(m.dtype), count=min(end, sample_tokens)).tolist()
+    ids = np.fromfile(folder / first.tokens, dtype=np.dtype(m.dtype), count=min(end, count)).tolist()
     click.echo(f"sample ({first.tokens}, document 0, first {len(ids)} of {end} tokens): {ids}")
     tok = tokenizer_for(t)
     if tok is None:
         click.echo(f"decoded: (tokenizer {t.name} not found or changed since prepare; ids only)")
-    else:
+    elif first.mask is None:
         click.echo(f"decoded: {json.dumps(tok.decode(ids), ensure_ascii=False)}")
+    else:
+        mask = np.fromfile(folder / first.mask, dtype=MASK_DTYPE, count=len(ids)).astype(bool)
+        click.echo(
+            f"trained: {_share(int(mask.sum()), len(ids))} tokens of this sample; untrained text in [ ] (dimmed on "
+            "a terminal), trained text plain:"
+        )
+        click.echo(marked_text(tok.decode, ids, mask))
+
+
+def marked_text(decode, ids: list[int], trained) -> str:
+    """The decoded ids with each run of untrained tokens shown as a dim `[...]`, trained runs plain."""
+    out, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or trained[k] != trained[start]:
+            text = decode(ids[start:k])
+            out.append(text if trained[start] else click.style(f"[{text}]", dim=True))
+            start = k
+    return "".join(out)

@@ -3,7 +3,9 @@
 Sample i of a dataset is the window tokens[i·S : i·S + S + 1] (inputs and shifted targets) of its token stream:
 documents are packed back to back, each ending in the EOS its preparation wrote, and a window may span several.
 With mask_doc_starts, a target that is the first token of a new document is set to IGNORE_INDEX, so the model is
-not trained to guess a document's start from the previous one.
+not trained to guess a document's start from the previous one. A stream with a loss mask (chat and
+prompt-completion data) sets every target the mask marks untrained (system and user turns, template scaffolding)
+to IGNORE_INDEX; the samples read and their order are the same either way, so resuming is unchanged.
 
 Each epoch of a dataset visits every sample once in an order drawn from (seed, epoch), memory-mapped from a file
 built once beside the data (order.py). Several datasets are interleaved by weight (mix.py). Optimizer step k
@@ -39,6 +41,11 @@ class Batch:
     inputs: torch.Tensor  # (b, S) int64
     targets: torch.Tensor  # (b, S) int64
 
+    @property
+    def trained_tokens(self) -> int:
+        """Targets the loss counts (not IGNORE_INDEX): what a loss normalised per trained token divides by."""
+        return int((self.targets != IGNORE_INDEX).sum())
+
 
 class TokenWindows:
     """Fixed-length windows over a token stream (a TokenStream, or a 1-D array/tensor of ids held in memory).
@@ -66,6 +73,9 @@ class TokenWindows:
         s = self.seq_len
         rows = np.stack([self.stream.read(i * s, i * s + s + 1) for i in map(int, indices)])
         targets = rows[:, 1:].copy()
+        if self.stream.has_mask:
+            trained = np.stack([self.stream.read_mask(i * s + 1, i * s + s + 1) for i in map(int, indices)])
+            targets[~trained] = IGNORE_INDEX
         if self.mask_doc_starts:
             for r, i in enumerate(map(int, indices)):
                 starts = self.stream.document_starts(i * s + 1, i * s + s + 1)

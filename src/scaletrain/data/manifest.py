@@ -3,11 +3,14 @@
     DIR/manifest.json                 written last, atomically: a folder without it is not a dataset
     DIR/train/shard-00000.tokens      token ids, little-endian, the manifest's dtype (uint16 or uint32), no header
     DIR/train/shard-00000.docs        int64 little-endian: each document's end offset in the shard (exclusive)
+    DIR/train/shard-00000.mask        chat / prompt-completion data only: uint8, 1 per token trained as a target
     DIR/val/shard-00000.tokens ...    the validation split, held out by whole documents
 
 Document d of a shard spans tokens [docs[d-1], docs[d]) (docs[-1] = 0); with EOS on, its last token is the EOS id.
-Both files of every shard are memory-mapped by the loader, so no rank reads more than the samples it trains on.
+The files of every shard are memory-mapped by the loader, so no rank reads more than the samples it trains on.
 The manifest records what made the tokens (tokenizer fingerprint, vocabulary, EOS) and a sha256 per file.
+Version 2 adds the optional loss masks (and each shard's count of trained tokens); a dataset without masks is
+written as version 1, as before, so older datasets and older readers keep working.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = "scaletrain-tokens"
-VERSION = 1
+PLAIN_VERSION = 1  # token shards and document ends
+MASKED_VERSION = 2  # ... and a loss mask per shard
+VERSION = MASKED_VERSION  # the newest this scaletrain reads
 MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 DOCS_DTYPE = np.dtype("<i8")
+MASK_DTYPE = np.dtype("u1")
 
 
 class DatasetError(ValueError):
@@ -59,6 +65,16 @@ class Shard:
     num_documents: int
     sha256_tokens: str
     sha256_docs: str
+    mask: str | None = None  # version 2, chat / prompt-completion data: the loss mask file
+    sha256_mask: str | None = None
+    num_trained: int | None = None  # tokens whose mask is 1
+
+    def files(self) -> list[tuple[str, int, str]]:
+        """(file name, number of items, sha256) of each file of this shard."""
+        out = [(self.tokens, self.num_tokens, self.sha256_tokens), (self.docs, self.num_documents, self.sha256_docs)]
+        if self.mask is not None:
+            out.append((self.mask, self.num_tokens, self.sha256_mask or ""))
+        return out
 
 
 @dataclass
@@ -73,6 +89,12 @@ class Split:
     def num_documents(self) -> int:
         return sum(s.num_documents for s in self.shards)
 
+    @property
+    def num_trained(self) -> int | None:
+        """Tokens trained as targets (masked data), None when the split has no masks (every token is trained)."""
+        counts = [s.num_trained for s in self.shards]
+        return None if not counts or None in counts else sum(c for c in counts if c is not None)
+
 
 @dataclass
 class DatasetManifest:
@@ -82,13 +104,21 @@ class DatasetManifest:
     source: dict = field(default_factory=dict)  # how it was made: inputs, text key, eos, val share (informational)
     created_by: str = ""
     format: str = FORMAT
-    version: int = VERSION
+    version: int = PLAIN_VERSION
+
+    @property
+    def masked(self) -> bool:
+        return any(s.mask is not None for split in self.splits.values() for s in split.shards)
 
     def to_json(self) -> str:
         out = asdict(self)
         for name, split in self.splits.items():
             out["splits"][name]["num_tokens"] = split.num_tokens
             out["splits"][name]["num_documents"] = split.num_documents
+            for shard in out["splits"][name]["shards"]:
+                for key in ("mask", "sha256_mask", "num_trained"):
+                    if shard[key] is None:  # a version-1 manifest stays byte for byte what it was
+                        del shard[key]
         return json.dumps(out, indent=1, sort_keys=True)
 
     @classmethod
@@ -155,8 +185,9 @@ def check_shard_sizes(folder: str | Path, manifest: DatasetManifest) -> None:
     itemsize = np.dtype(manifest.dtype).itemsize
     for split in manifest.splits.values():
         for s in split.shards:
-            for name, want in ((s.tokens, s.num_tokens * itemsize), (s.docs, s.num_documents * DOCS_DTYPE.itemsize)):
-                p = Path(folder) / name
+            sizes = (itemsize, DOCS_DTYPE.itemsize, MASK_DTYPE.itemsize)
+            for (name, count, _), size in zip(s.files(), sizes):
+                p, want = Path(folder) / name, count * size
                 if not p.is_file():
                     raise DatasetError(f"{p}: missing; prepare the data again (or rerun the same prepare to finish it)")
                 if p.stat().st_size != want:
@@ -170,7 +201,7 @@ def verify_shards(folder: str | Path, manifest: DatasetManifest) -> None:
     check_shard_sizes(folder, manifest)
     for split in manifest.splits.values():
         for s in split.shards:
-            for name, want in ((s.tokens, s.sha256_tokens), (s.docs, s.sha256_docs)):
+            for name, _, want in s.files():
                 if sha256_file(Path(folder) / name) != want:
                     raise DatasetError(
                         f"{Path(folder) / name}: checksum does not match the manifest; the shard is corrupt, "

@@ -13,6 +13,10 @@ records the arguments' digest, the closed shards, the open shards' lengths and t
 atomically after every piece that closed a shard (and every few seconds). A rerun with the same arguments truncates
 the open shards to the recorded lengths and goes on from that piece; closed shards are not written again.
 `manifest.json` is written last: a folder without it is not a dataset.
+
+`format` chat / prompt-completion: each record is one sample, rendered by data/chat.py into tokens and a loss mask
+written beside each shard (`.mask`, restartable and checksummed like the rest); samples over `max_tokens` are
+truncated or dropped (`overlong`), and counted in the manifest. `text` writes exactly what it always did.
 """
 
 from __future__ import annotations
@@ -31,11 +35,25 @@ from pathlib import Path
 
 import numpy as np
 
+from scaletrain.data.chat import (
+    CHAT,
+    FORMATS,
+    PROMPT_COMPLETION,
+    TEXT,
+    ChatEncoder,
+    SampleError,
+    TemplateError,
+    read_chat_template,
+    template_sha256,
+    tokenizer_folder,
+)
 from scaletrain.data.manifest import (
     DOCS_DTYPE,
     MANIFEST,
+    MASK_DTYPE,
+    MASKED_VERSION,
+    PLAIN_VERSION,
     SPLITS,
-    VERSION,
     DatasetError,
     DatasetManifest,
     Shard,
@@ -49,10 +67,13 @@ from scaletrain.data.readers import (
     InputError,
     InputFile,
     Piece,
+    check_record_keys,
     check_text_key,
     find_inputs,
     pieces,
     read_documents,
+    read_records,
+    where,
 )
 from scaletrain.data.tokenizer import DocumentTokenizer, TokenizerError, load_tokenizer, token_array
 
@@ -61,6 +82,8 @@ STATE_DIR = ".prepare-state"
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard: few files, each memory-mapped cheaply
 ENCODE_BATCH = 1024  # documents per encode_batch call
 CHECKPOINT_EVERY_S = 5.0
+DEFAULT_MAX_TOKENS = 4096  # chat / prompt-completion samples longer than this are truncated or dropped (--overlong)
+OVERLONG = ("truncate", "drop")
 
 
 class PrepareError(ValueError):
@@ -79,6 +102,22 @@ class PrepareOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     overwrite: bool = False
     piece_bytes: int = PIECE_BYTES
+    format: str = TEXT  # text | chat | prompt-completion (data/chat.py)
+    messages_key: str = "messages"
+    prompt_key: str = "prompt"
+    completion_key: str = "completion"
+    max_tokens: int = DEFAULT_MAX_TOKENS  # chat / prompt-completion only
+    overlong: str = "truncate"  # what happens to a sample over max_tokens: truncate | drop
+
+    @property
+    def masked(self) -> bool:
+        return self.format != TEXT
+
+    def record_keys(self) -> tuple[tuple[str, ...], str]:
+        """The keys each record must hold, and the option that names them (for messages)."""
+        if self.format == CHAT:
+            return (self.messages_key,), "pass --messages-key with the key of the messages list"
+        return (self.prompt_key, self.completion_key), "pass --prompt-key / --completion-key with the record's keys"
 
 
 @dataclass
@@ -102,15 +141,35 @@ def prepare(opts: PrepareOptions, on_progress: OnProgress | None = None) -> Prep
         raise PrepareError(f"--shard-tokens: must be >= 1 (got {opts.shard_tokens})")
     if not 0.0 <= opts.val_share <= 0.5:
         raise PrepareError(f"--val-share: must be between 0 and 0.5 (got {opts.val_share})")
+    if opts.format not in FORMATS:
+        raise PrepareError(f"--format: {opts.format!r} is not one of {', '.join(FORMATS)}")
+    if opts.max_tokens < 1:
+        raise PrepareError(f"--max-tokens: must be >= 1 (got {opts.max_tokens})")
+    if opts.overlong not in OVERLONG:
+        raise PrepareError(f"--overlong: {opts.overlong!r} is not one of {', '.join(OVERLONG)}")
+    template = None
     try:
-        tok = load_tokenizer(opts.tokenizer, opts.eos)
+        if opts.masked:
+            template = read_chat_template(tokenizer_folder(opts.tokenizer))
+            if opts.format == CHAT and template is None:
+                raise PrepareError(
+                    f"--tokenizer {opts.tokenizer}: no chat template (chat_template in tokenizer_config.json or "
+                    "chat_template.jinja); --format chat renders with the tokenizer's own template: use the model's "
+                    "tokenizer folder, or --format prompt-completion / text"
+                )
+        tok = load_tokenizer(opts.tokenizer, _appends_eos(opts, template))
         dtype = token_dtype(tok.info.vocab_size)
         files = find_inputs(opts.inputs, exclude=opts.out)
         for f in files:
-            check_text_key(f, opts.text_key)
-    except (TokenizerError, InputError, DatasetError) as e:
+            if opts.masked:
+                check_record_keys(f, *opts.record_keys())
+            else:
+                check_text_key(f, opts.text_key)
+        if opts.masked:
+            _encoder(opts, tok, template)  # the template loads with transformers, before anything is written
+    except (TokenizerError, InputError, DatasetError, TemplateError) as e:
         raise PrepareError(str(e)) from None
-    args = _arguments(opts, tok, files)
+    args = _arguments(opts, tok, files, template)
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
 
     out = opts.out
@@ -125,14 +184,16 @@ def prepare(opts: PrepareOptions, on_progress: OnProgress | None = None) -> Prep
         _write_json(state_dir / "args.json", {"sha256": digest, **args})
     state = _read_state(state_dir, digest)
     try:
-        run = _Run(opts, tok, dtype, files, state, on_progress)
+        run = _Run(opts, tok, dtype, files, state, on_progress, template)
         run.go()
         train = run.splits["train"]
         if train.num_documents == 0:
+            what = "--text-key" if not opts.masked else "the assistant turns and --max-tokens / --overlong"
             raise InputError(
-                f"no documents with text in {len(files)} input file(s)"
+                f"no {'samples with trained tokens' if opts.masked else 'documents with text'} in {len(files)} input "
+                "file(s)"
                 + (f" ({run.documents} went to validation; lower --val-share)" if run.documents else "")
-                + "; check the inputs and --text-key"
+                + f"; check the inputs and {what}"
             )
     except InputError as e:
         _remove_outputs(out, created)
@@ -150,8 +211,10 @@ def prepare(opts: PrepareOptions, on_progress: OnProgress | None = None) -> Prep
             "shard_tokens": opts.shard_tokens,
             "documents_skipped_empty": run.skipped,
             "args_sha256": digest,
+            **(_masked_source(opts, template, run) if opts.masked else {}),
         },
         created_by=f"scaletrain {_version()} data prepare",
+        version=MASKED_VERSION if opts.masked else PLAIN_VERSION,
     )
     write_manifest(out, manifest)
     shutil.rmtree(state_dir, ignore_errors=True)
@@ -169,11 +232,58 @@ def _version() -> str:
     return __version__
 
 
-def _arguments(opts: PrepareOptions, tok: DocumentTokenizer, files: list[InputFile]) -> dict:
-    """Everything the shards depend on (inputs by path, size and mtime), for the same-arguments check."""
+def _appends_eos(opts: PrepareOptions, template: str | None) -> bool:
+    """Whether prepare appends the tokenizer's EOS: after each text document, and after a completion without a
+    chat template; a chat template writes its own end-of-turn tokens."""
+    if opts.format == TEXT or (opts.format == PROMPT_COMPLETION and template is None):
+        return opts.eos
+    return False
+
+
+def _encoder(opts: PrepareOptions, tok: DocumentTokenizer, template: str | None) -> ChatEncoder:
+    try:
+        return ChatEncoder(tokenizer_folder(opts.tokenizer), template, tok, tok.info.eos_id)
+    except (OSError, ValueError) as e:  # transformers cannot load the folder as a tokenizer
+        raise TemplateError(f"--tokenizer {opts.tokenizer}: transformers cannot load it ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _masked_source(opts: PrepareOptions, template: str | None, run: _Run) -> dict:
+    """What the manifest records about a chat / prompt-completion prepare: its options and what it cut."""
+    keys = {"messages_key": opts.messages_key} if opts.format == CHAT else {
+        "prompt_key": opts.prompt_key, "completion_key": opts.completion_key,
+    }  # fmt: skip
     return {
+        "format": opts.format,
+        **keys,
+        "chat_template_sha256": template_sha256(template),
+        "max_tokens": opts.max_tokens,
+        "overlong": opts.overlong,
+        "samples_truncated": run.truncated,
+        "samples_dropped_overlong": run.dropped,
+        "samples_dropped_untrained": run.untrained,
+    }
+
+
+def _arguments(opts: PrepareOptions, tok: DocumentTokenizer, files: list[InputFile], template: str | None) -> dict:
+    """Everything the shards depend on (inputs by path, size and mtime), for the same-arguments check."""
+    masked = {}
+    if opts.masked:  # text keeps its arguments (and so its manifest) exactly as before
+        masked = {
+            "format": opts.format,
+            "record_keys": list(opts.record_keys()[0]),
+            "chat_template_sha256": template_sha256(template),
+            "max_tokens": opts.max_tokens,
+            "overlong": opts.overlong,
+        }
+    return {
+        **masked,
         "prepare_version": PREPARE_VERSION,
-        "format_version": VERSION,
+        "format_version": MASKED_VERSION if opts.masked else PLAIN_VERSION,
         "inputs": [[f.path, f.kind, f.gz, f.size, f.mtime_ns] for f in files],
         "tokenizer": tok.info.fingerprint,
         "vocab_size": tok.info.vocab_size,
@@ -269,26 +379,29 @@ def held_out(indices: np.ndarray, val_share: float) -> np.ndarray:
 
 @dataclass
 class _SplitWriter:
-    """Appends whole documents to the open shard of one split; closes it at shard_tokens or more."""
+    """Appends whole documents (and their loss masks, when `masked`) to the open shard of one split; closes it at
+    shard_tokens or more."""
 
     root: Path
     split: str
     dtype: np.dtype
     shard_tokens: int
+    masked: bool = False
     shards: list[Shard] = field(default_factory=list)
     tokens: int = 0  # in the open shard
     docs: int = 0
+    trained: int = 0  # mask ones in the open shard
 
     def __post_init__(self) -> None:
         (self.root / self.split).mkdir(parents=True, exist_ok=True)
-        self._files: tuple | None = None  # (tokens file, docs file, tokens sha256, docs sha256) while open
+        self._files: list[tuple] | None = None  # (file, sha256) of tokens, docs (and mask) while open
 
     @classmethod
-    def resumed(cls, root: Path, split: str, dtype: np.dtype, shard_tokens: int, saved: dict | None):
-        w = cls(root, split, dtype, shard_tokens)
+    def resumed(cls, root: Path, split: str, dtype: np.dtype, shard_tokens: int, masked: bool, saved: dict | None):
+        w = cls(root, split, dtype, shard_tokens, masked)
         if saved:
             w.shards = [Shard(**s) for s in saved["shards"]]
-            w.tokens, w.docs = int(saved["tokens"]), int(saved["docs"])
+            w.tokens, w.docs, w.trained = int(saved["tokens"]), int(saved["docs"]), int(saved.get("trained", 0))
             if w.tokens:
                 w._open(resume=True)
         return w
@@ -296,9 +409,14 @@ class _SplitWriter:
     def _name(self, ext: str) -> str:
         return f"{self.split}/shard-{len(self.shards):05d}.{ext}"
 
+    def _kinds(self) -> list[tuple[str, int]]:
+        """(file extension, bytes so far) of each file of the open shard."""
+        kinds = [("tokens", self.tokens * self.dtype.itemsize), ("docs", self.docs * DOCS_DTYPE.itemsize)]
+        return kinds + [("mask", self.tokens * MASK_DTYPE.itemsize)] if self.masked else kinds
+
     def _open(self, resume: bool = False) -> None:
         files = []
-        for ext, size in (("tokens", self.tokens * self.dtype.itemsize), ("docs", self.docs * DOCS_DTYPE.itemsize)):
+        for ext, size in self._kinds():
             path = self.root / f"{self._name(ext)}.partial"
             if resume:
                 closed = self.root / self._name(ext)
@@ -316,10 +434,11 @@ class _SplitWriter:
             while block := f.read(1 << 22):
                 h.update(block)
             files.append((f, h))
-        self._files = (files[0][0], files[1][0], files[0][1], files[1][1])
+        self._files = files
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> bool:
-        """Append documents (their tokens back to back and each one's length). True if a shard was closed."""
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> bool:
+        """Append documents (their tokens back to back, each one's length, and the tokens' loss mask when this
+        split is masked). True if a shard was closed."""
         ends = np.cumsum(lengths)
         closed, d, base = False, 0, 0
         while d < len(lengths):
@@ -327,46 +446,51 @@ class _SplitWriter:
             last = int(np.searchsorted(ends, base + self.shard_tokens - self.tokens, side="left"))
             last = min(last, len(lengths) - 1)
             stop = int(ends[last])
-            self._append(tokens[base:stop], self.tokens + ends[d : last + 1] - base)
+            part = None if mask is None else mask[base:stop]
+            self._append(tokens[base:stop], self.tokens + ends[d : last + 1] - base, part)
             d, base = last + 1, stop
             if self.tokens >= self.shard_tokens:
                 self._close()
                 closed = True
         return closed
 
-    def _append(self, tokens: np.ndarray, doc_ends: np.ndarray) -> None:
+    def _append(self, tokens: np.ndarray, doc_ends: np.ndarray, mask: np.ndarray | None) -> None:
         if self._files is None:
             self._open()
         assert self._files is not None
-        ftok, fdoc, htok, hdoc = self._files
-        for f, h, data in (
-            (ftok, htok, tokens.astype(self.dtype).tobytes()),
-            (fdoc, hdoc, doc_ends.astype(DOCS_DTYPE).tobytes()),
-        ):
-            f.write(data)
-            h.update(data)
+        data = [tokens.astype(self.dtype).tobytes(), doc_ends.astype(DOCS_DTYPE).tobytes()]
+        if self.masked:
+            assert mask is not None and len(mask) == len(tokens)
+            data.append(mask.astype(MASK_DTYPE).tobytes())
+            self.trained += int(np.count_nonzero(mask))
+        for (f, h), block in zip(self._files, data):
+            f.write(block)
+            h.update(block)
         self.tokens += len(tokens)
         self.docs += len(doc_ends)
 
     def sync(self) -> dict:
         """Flush the open shard to disk; the state that resumes this split."""
         if self._files is not None:
-            for f in self._files[:2]:
+            for f, _ in self._files:
                 f.flush()
                 os.fsync(f.fileno())
-        return {"shards": [asdict(s) for s in self.shards], "tokens": self.tokens, "docs": self.docs}
+        state = {"shards": [asdict(s) for s in self.shards], "tokens": self.tokens, "docs": self.docs}
+        return {**state, "trained": self.trained} if self.masked else state
 
     def _close(self) -> None:
         self.sync()
         assert self._files is not None
-        ftok, fdoc, htok, hdoc = self._files
-        ftok.close()
-        fdoc.close()
-        names = self._name("tokens"), self._name("docs")
-        for name in names:
+        names = [self._name(ext) for ext, _ in self._kinds()]
+        for (f, _), name in zip(self._files, names):
+            f.close()
             os.replace(self.root / f"{name}.partial", self.root / name)
-        self.shards.append(Shard(names[0], names[1], self.tokens, self.docs, htok.hexdigest(), hdoc.hexdigest()))
-        self._files, self.tokens, self.docs = None, 0, 0
+        digests = [h.hexdigest() for _, h in self._files]
+        shard = Shard(names[0], names[1], self.tokens, self.docs, digests[0], digests[1])
+        if self.masked:
+            shard.mask, shard.sha256_mask, shard.num_trained = names[2], digests[2], self.trained
+        self.shards.append(shard)
+        self._files, self.tokens, self.docs, self.trained = None, 0, 0, 0
 
     def finish(self) -> Split:
         if self.docs:
@@ -379,6 +503,10 @@ class _Tokens:
     tokens: np.ndarray
     lengths: np.ndarray  # per kept document, EOS included
     skipped: int  # documents with no tokens (empty text), dropped
+    mask: np.ndarray | None = None  # chat / prompt-completion: 1 per token trained as a target
+    truncated: int = 0  # samples cut to max_tokens
+    dropped: int = 0  # samples over max_tokens left out (--overlong drop)
+    untrained: int = 0  # samples left without a trained token (no assistant turn, or all of it cut off)
 
 
 @dataclass
@@ -388,21 +516,33 @@ class _WorkerSetup:
     text_key: str
     dtype: str
     quiet_threads: bool  # several worker processes: each encodes on one thread instead of all cores
+    format: str = TEXT
+    record_keys: tuple[str, ...] = ()
+    key_hint: str = ""
+    template: str | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    overlong: str = "truncate"
 
 
-_worker: tuple[DocumentTokenizer, _WorkerSetup] | None = None
+_worker: tuple[DocumentTokenizer, _WorkerSetup, ChatEncoder | None] | None = None
 
 
 def _init_worker(setup: _WorkerSetup) -> None:
     global _worker
     if setup.quiet_threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = (load_tokenizer(setup.tokenizer, setup.eos), setup)
+    tok = load_tokenizer(setup.tokenizer, setup.eos)
+    encoder = None
+    if setup.format != TEXT:
+        encoder = ChatEncoder(tokenizer_folder(setup.tokenizer), setup.template, tok, tok.info.eos_id)
+    _worker = (tok, setup, encoder)
 
 
 def _tokenize(piece: Piece) -> _Tokens:
     assert _worker is not None
-    tok, setup = _worker
+    tok, setup, encoder = _worker
+    if encoder is not None:
+        return _encode_samples(piece, setup, encoder)
     docs = read_documents(piece, setup.text_key)
     ids: list[np.ndarray] = []
     for b in range(0, len(docs), ENCODE_BATCH):
@@ -410,6 +550,36 @@ def _tokenize(piece: Piece) -> _Tokens:
     kept = [a for a in ids if len(a)]
     tokens, lengths = token_array(kept, tok.info.eos_id, np.dtype(setup.dtype))
     return _Tokens(tokens, lengths, len(ids) - len(kept))
+
+
+def _encode_samples(piece: Piece, setup: _WorkerSetup, encoder: ChatEncoder) -> _Tokens:
+    """A piece's chat or prompt-completion records as tokens with their loss mask; samples over max_tokens cut or
+    left out as --overlong says, samples without a trained token left out (each counted)."""
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    out = _Tokens(np.empty(0), np.empty(0), 0)
+    for position, values in read_records(piece, setup.record_keys, setup.key_hint):
+        try:
+            sample = encoder.chat(values[0]) if setup.format == CHAT else encoder.prompt_completion(*values)
+        except (SampleError, TemplateError) as e:
+            raise InputError(f"{where(piece, position)}: {e}") from None
+        if not len(sample.ids):
+            out.skipped += 1
+            continue
+        if len(sample.ids) > setup.max_tokens:
+            if setup.overlong == "drop":
+                out.dropped += 1
+                continue
+            out.truncated += 1
+            sample.ids, sample.mask = sample.ids[: setup.max_tokens], sample.mask[: setup.max_tokens]
+        if not sample.mask.any():
+            out.untrained += 1
+            continue
+        ids.append(sample.ids)
+        masks.append(sample.mask)
+    out.tokens, out.lengths = token_array(ids, None, np.dtype(setup.dtype))
+    out.mask = np.concatenate(masks) if masks else np.empty(0, dtype=MASK_DTYPE)
+    return out
 
 
 def _tokenized(
@@ -449,12 +619,21 @@ class _Run:
         files: list[InputFile],
         state: dict,
         on_progress: OnProgress | None,
+        template: str | None = None,
     ) -> None:
         self.opts, self.tok, self.files, self.state = opts, tok, files, state
         self.on_progress = on_progress
         saved = state["splits"]
-        self.writers = {s: _SplitWriter.resumed(opts.out, s, dtype, opts.shard_tokens, saved.get(s)) for s in SPLITS}
-        self.setup = _WorkerSetup(opts.tokenizer, opts.eos, opts.text_key, dtype.name, opts.workers > 1)
+        self.writers = {
+            s: _SplitWriter.resumed(opts.out, s, dtype, opts.shard_tokens, opts.masked, saved.get(s)) for s in SPLITS
+        }
+        keys, hint = opts.record_keys() if opts.masked else ((), "")
+        self.setup = _WorkerSetup(
+            opts.tokenizer, tok.info.eos_id is not None, opts.text_key, dtype.name, opts.workers > 1,
+            opts.format, keys, hint, template, opts.max_tokens, opts.overlong,
+        )  # fmt: skip
+        self.truncated, self.dropped = int(state.get("truncated", 0)), int(state.get("dropped", 0))
+        self.untrained = int(state.get("untrained", 0))
         self.documents, self.skipped = int(state["documents"]), int(state["skipped"])
         self.next_piece = int(state["next_piece"])
         self.tokens_this_run = 0
@@ -492,12 +671,16 @@ class _Run:
         val = held_out(np.arange(self.documents, self.documents + n, dtype=np.int64), self.opts.val_share)
         self.documents += n
         self.skipped += r.skipped
+        self.truncated, self.dropped, self.untrained = (
+            self.truncated + r.truncated, self.dropped + r.dropped, self.untrained + r.untrained,
+        )  # fmt: skip
         self.tokens_this_run += len(r.tokens)
         if not val.any():
-            return self.writers["train"].add(r.tokens, r.lengths)
-        mask = np.repeat(val, r.lengths)
-        closed = self.writers["val"].add(r.tokens[mask], r.lengths[val])
-        return self.writers["train"].add(r.tokens[~mask], r.lengths[~val]) or closed
+            return self.writers["train"].add(r.tokens, r.lengths, r.mask)
+        in_val = np.repeat(val, r.lengths)
+        loss = (None, None) if r.mask is None else (r.mask[in_val], r.mask[~in_val])
+        closed = self.writers["val"].add(r.tokens[in_val], r.lengths[val], loss[0])
+        return self.writers["train"].add(r.tokens[~in_val], r.lengths[~val], loss[1]) or closed
 
     def _checkpoint(self) -> None:
         splits = {s: w.sync() for s, w in self.writers.items()}  # data on disk before the state that counts it
@@ -507,5 +690,7 @@ class _Run:
             "documents": self.documents,
             "skipped": self.skipped,
             "splits": splits,
-        }
+            **({"truncated": self.truncated, "dropped": self.dropped, "untrained": self.untrained}
+               if self.opts.masked else {}),
+        }  # fmt: skip
         _write_json(self.opts.out / STATE_DIR / "state.json", state)

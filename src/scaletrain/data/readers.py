@@ -10,7 +10,8 @@ is cut never changes the output.
 By suffix: `.jsonl` / `.ndjson` are JSON Lines (one document per line, its text under the text key); `.parquet` is
 Parquet (the text key is a column); a folder written by `datasets.save_to_disk` (state.json + .arrow files, or
 dataset_dict.json with a `train` split) is read through pyarrow; anything else is one plain-text document (UTF-8).
-A trailing `.gz` is decompressed first.
+A trailing `.gz` is decompressed first. Chat and prompt-completion data are read as records (`read_records`: the
+values of given keys per JSON line or row) from the same JSON Lines, Parquet and saved-dataset inputs.
 """
 
 from __future__ import annotations
@@ -152,6 +153,34 @@ def check_text_key(f: InputFile, text_key: str) -> None:
             raise InputError(f"{f.path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
 
 
+def check_record_keys(f: InputFile, keys: tuple[str, ...], hint: str) -> None:
+    """check_text_key for record formats (chat, prompt-completion): every key a column, or in the first JSON
+    record; a plain-text file refused."""
+    if f.kind == "text":
+        raise InputError(
+            f"{f.path}: a plain-text file; this format reads records (JSON Lines, Parquet or a saved dataset), "
+            "or pass --format text"
+        )
+    if f.kind in ("parquet", "arrow"):
+        names = _arrow_schema(f).names
+        for key in keys:
+            if key not in names:
+                raise InputError(f"{f.path}: no column {key!r} (columns: {', '.join(names)}); {hint}")
+        return
+    opener = gzip.open if f.gz else open
+    try:
+        with opener(f.path, "rb") as fh:
+            for number, line in enumerate(fh, 1):
+                if line.strip():
+                    try:
+                        _json_values(line, keys, hint)
+                    except _BadRecord as e:
+                        raise InputError(f"{f.path}: line {number}: {e}") from None
+                    return
+    except (OSError, EOFError) as e:
+        raise InputError(f"{f.path}: cannot read ({getattr(e, 'strerror', None) or e})") from e
+
+
 def _arrow_schema(f: InputFile):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -285,28 +314,80 @@ def _read_text(path: str) -> str:
         ) from e
 
 
-def _read_jsonl(piece: Piece, text_key: str) -> list[str]:
-    path = piece.paths[0]
+def _piece_lines(piece: Piece) -> list[bytes]:
     if piece.lines is not None:
-        lines = list(piece.lines)
-    else:
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(piece.start)
-                lines = fh.read(piece.stop - piece.start).splitlines()
-        except OSError as e:
-            raise InputError(f"{path}: cannot read ({e.strerror})") from e
+        return list(piece.lines)
+    try:
+        with open(piece.paths[0], "rb") as fh:
+            fh.seek(piece.start)
+            return fh.read(piece.stop - piece.start).splitlines()
+    except OSError as e:
+        raise InputError(f"{piece.paths[0]}: cannot read ({e.strerror})") from e
+
+
+def where(piece: Piece, position: int) -> str:
+    """ "FILE: line N" or "FILE: row index N (from 0)" of the record at `position` of a piece (read_records)."""
+    path = piece.paths[0]
+    if piece.kind != "jsonl":
+        return f"{path}: row index {piece.first_row + position} (from 0)"
+    # the line number is only worked out on error paths (counting the newlines before the piece)
+    number = _lines_before(path, piece.start) + position + 1 if piece.lines is None else piece.first_row + position + 1
+    return f"{path}: line {number}"
+
+
+def _read_jsonl(piece: Piece, text_key: str) -> list[str]:
     docs = []
-    for i, line in enumerate(lines):
+    for i, line in enumerate(_piece_lines(piece)):
         if not line.strip():
             continue
         try:
             docs.append(_json_text(line, text_key))
         except _BadRecord as e:
-            # the line number is only worked out on this error path (counting the newlines before the piece)
-            number = _lines_before(path, piece.start) + i + 1 if piece.lines is None else piece.first_row + i + 1
-            raise InputError(f"{path}: line {number}: {e}") from None
+            raise InputError(f"{where(piece, i)}: {e}") from None
     return docs
+
+
+def read_records(piece: Piece, keys: tuple[str, ...], hint: str) -> list[tuple[int, list]]:
+    """The records of a JSON Lines or columnar piece as (position, the values of `keys`), in order; `where(piece,
+    position)` names one in a message. A record without a key is an InputError naming the file, the line or row
+    and `hint` (the option that sets the key)."""
+    if piece.kind == "text":
+        raise InputError(
+            f"{piece.paths[0]}: a plain-text file; this format reads records (JSON Lines, Parquet or a saved "
+            "dataset), or pass --format text"
+        )
+    if piece.kind == "jsonl":
+        out = []
+        for i, line in enumerate(_piece_lines(piece)):
+            if not line.strip():
+                continue
+            try:
+                out.append((i, _json_values(line, keys, hint)))
+            except _BadRecord as e:
+                raise InputError(f"{where(piece, i)}: {e}") from None
+        return out
+    columns = [_column(piece, key).to_pylist() for key in keys]
+    rows = []
+    for i, values in enumerate(zip(*columns)):
+        missing = [k for k, v in zip(keys, values) if v is None]
+        if missing:
+            raise InputError(f"{where(piece, i)}: {missing[0]!r} is null; {hint}")
+        rows.append((i, list(values)))
+    return rows
+
+
+def _json_values(line: bytes, keys: tuple[str, ...], hint: str) -> list:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise _BadRecord(f"bad JSON ({_one_line(e)})") from None
+    if not isinstance(record, dict):
+        raise _BadRecord(f"a JSON {type(record).__name__}, not an object with {', '.join(map(repr, keys))}")
+    for key in keys:
+        if record.get(key) is None:
+            found = ", ".join(list(record)[:8]) or "none"
+            raise _BadRecord(f"no {key!r} key (keys: {found}); {hint}")
+    return [record[key] for key in keys]
 
 
 def _lines_before(path: str, offset: int) -> int:
@@ -341,18 +422,24 @@ def _json_text(line: bytes, text_key: str) -> str:
     return text
 
 
-def _read_columnar(piece: Piece, text_key: str) -> list[str]:
+def _column(piece: Piece, key: str):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = piece.paths[0]
     try:
         if piece.kind == "parquet":
-            column = pq.ParquetFile(path).read_row_group(piece.start, columns=[text_key]).column(text_key)
-        else:
-            column = _arrow_table(path).slice(piece.start, piece.stop - piece.start).column(text_key)
+            return pq.ParquetFile(path).read_row_group(piece.start, columns=[key]).column(key)
+        return _arrow_table(path).slice(piece.start, piece.stop - piece.start).column(key)
     except (OSError, KeyError, pa.ArrowException) as e:
-        raise InputError(f"{path}: cannot read column {text_key!r} ({_one_line(e)})") from e
+        raise InputError(f"{path}: cannot read column {key!r} ({_one_line(e)})") from e
+
+
+def _read_columnar(piece: Piece, text_key: str) -> list[str]:
+    import pyarrow as pa
+
+    path = piece.paths[0]
+    column = _column(piece, text_key)
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise InputError(f"{path}: column {text_key!r} holds {column.type}, not strings; pass --text-key")
     if column.null_count:

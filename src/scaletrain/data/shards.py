@@ -1,4 +1,5 @@
-"""A prepared dataset folder (manifest.py's format) opened as memory-mapped token streams, one per split.
+"""A prepared dataset folder (manifest.py's format) opened as memory-mapped token streams, one per split (with
+their loss masks, for chat and prompt-completion data).
 
 Checks on opening are the cheap ones (the manifest's format and version, every file's size); the sha256 of every
 shard is checked by `verify_prepared` on a dataset's first use and remembered by a stamp in the cache folder keyed
@@ -15,6 +16,7 @@ import numpy as np
 from scaletrain.data.manifest import (
     DOCS_DTYPE,
     MANIFEST,
+    MASK_DTYPE,
     DatasetManifest,
     check_shard_sizes,
     read_manifest,
@@ -35,7 +37,11 @@ def open_prepared(folder: Path) -> tuple[DatasetManifest, dict[str, TokenStream]
     streams = {}
     for name, split in manifest.splits.items():
         segments = [
-            Segment(_map(folder / s.tokens, dtype, s.num_tokens), _map(folder / s.docs, DOCS_DTYPE, s.num_documents))
+            Segment(
+                _map(folder / s.tokens, dtype, s.num_tokens),
+                _map(folder / s.docs, DOCS_DTYPE, s.num_documents),
+                mask=None if s.mask is None else _map(folder / s.mask, MASK_DTYPE, s.num_tokens),
+            )
             for s in split.shards
             if s.num_tokens
         ]

@@ -21,6 +21,7 @@ class Segment:
     tokens: np.ndarray
     starts: np.ndarray | None = None
     scale: int = 1
+    mask: np.ndarray | None = None  # uint8 per token, 1 where it is trained as a target (chat data); None: all are
 
 
 class TokenStream:
@@ -33,6 +34,7 @@ class TokenStream:
         self.lo = lo
         self.hi = int(self._offsets[-1]) if hi is None else hi
         self.has_documents = bool(segments) and all(s.starts is not None for s in segments)
+        self.has_mask = any(s.mask is not None for s in segments)
 
     @classmethod
     def of(cls, tokens: np.ndarray, starts: np.ndarray | None = None) -> TokenStream:
@@ -63,6 +65,17 @@ class TokenStream:
         if start < 0 or hi > self.hi:
             raise IndexError(f"tokens [{start}, {stop}) outside a stream of {self.num_tokens}")
         parts = [np.asarray(seg.tokens[a:b], dtype=np.int64) for seg, a, b, _ in self._pieces(lo, hi)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def read_mask(self, start: int, stop: int) -> np.ndarray:
+        """The loss mask of tokens [start, stop) as bool (True: trained); all True where a segment has none."""
+        lo, hi = self.lo + start, self.lo + stop
+        if start < 0 or hi > self.hi:
+            raise IndexError(f"tokens [{start}, {stop}) outside a stream of {self.num_tokens}")
+        parts = [
+            np.ones(b - a, dtype=bool) if seg.mask is None else np.asarray(seg.mask[a:b]) != 0
+            for seg, a, b, _ in self._pieces(lo, hi)
+        ]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:

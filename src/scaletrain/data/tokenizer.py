@@ -104,6 +104,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (int64) of a text that may hold special tokens, and each token's (start, end) characters."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, dtype=np.int64), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
