@@ -173,6 +173,58 @@ def test_chat_mask_trains_exactly_the_assistant_turns(tmp_path, style):
     verify_shards(tmp_path / "out", m)
 
 
+def _trained_runs(ids: list[int], mask: list[int], decode) -> list[str]:
+    """The decoded text of each run of trained tokens."""
+    runs, k = [], 0
+    while k < len(ids):
+        j = k
+        while j < len(ids) and mask[j] == mask[k]:
+            j += 1
+        if mask[k]:
+            runs.append(decode(ids[k:j]))
+        k = j
+    return runs
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_byte_level_bpe_masks_whole_answers(tmp_path, style):
+    """A byte-level BPE tokenizer like the real models' (its post-processor trims offsets, merges may join the
+    newlines after a header): each trained run is exactly one answer and its end-of-turn token."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    template, specials, bos, eos, *_, end, _, _ = STYLES[style]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    rng = random.Random(0)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(20)) + "\n\n" for _ in range(200)]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
+    )
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": eos, "bos_token": bos, "chat_template": template})
+    )
+    conversation = [
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": " hello !\n what is my name ?"},
+        {"role": "user", "content": "why"},
+        {"role": "assistant", "content": "because of light , thanks"},
+    ]
+    _jsonl(tmp_path / "in" / "a.jsonl", [{"messages": conversation}])
+    prepare(PrepareOptions([str(tmp_path / "in")], tmp_path / "out", str(folder), format="chat", val_share=0.0))
+    [(ids, mask)] = _samples(tmp_path / "out")
+    trim = style != "chatml"  # Llama 3 and Gemma trim the content, ChatML keeps it as it is
+    answers = [m["content"].strip() if trim else m["content"] for m in conversation if m["role"] == "assistant"]
+    assert _trained_runs(ids, mask, lambda t: tok.decode(t, skip_special_tokens=False)) == [a + end for a in answers]
+
+
 def test_prompt_completion_with_and_without_a_template_and_overlong_samples(tmp_path):
     rows = [
         {"q": "what is two plus four ?", "a": "six"},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class HFTokenizer:
                 f"such as {' '.join(EOS_CANDIDATES[:3])}); set eos_token in tokenizer_config.json or pass --no-eos"
             )
         self.file = file
+        self._exact: Any = None  # a copy for exact character offsets (encode_with_offsets), made on first use
         self.info = TokenizerInfo(
             kind="huggingface",
             name=str(path.resolve()),
@@ -106,7 +107,14 @@ class HFTokenizer:
 
     def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int64) of a text that may hold special tokens, and each token's (start, end) characters."""
-        e = self._tok.encode(text, add_special_tokens=False)
+        if self._exact is None:
+            from tokenizers import Tokenizer
+
+            # without the post-processor, whose ByteLevel trim_offsets would shrink a whitespace token to nothing;
+            # with no special tokens added it changes no id
+            self._exact = Tokenizer.from_str(self._tok.to_str())
+            self._exact.post_processor = None
+        e = self._exact.encode(text, add_special_tokens=False)
         return np.asarray(e.ids, dtype=np.int64), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
 
 
