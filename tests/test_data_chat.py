@@ -6,6 +6,7 @@ and a prepared chat dataset trains through `scaletrain train`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -354,7 +355,7 @@ def test_interrupted_prepare_resumes_to_identical_files_and_the_loader_masks_tar
     with pytest.raises(Stop):
         prepare(opts("cut"), on_progress=stop_late)
     assert not (tmp_path / "cut" / "manifest.json").exists()
-    again = prepare(opts("cut"))
+    again = prepare(dataclasses.replace(opts("cut"), workers=2))  # the output does not depend on --workers
     assert again.resumed_from_piece > 0
     names = sorted(p.relative_to(tmp_path / "whole") for p in (tmp_path / "whole").rglob("*") if p.is_file())
     assert names == sorted(p.relative_to(tmp_path / "cut") for p in (tmp_path / "cut").rglob("*") if p.is_file())

@@ -38,7 +38,12 @@ def data() -> None:
     help="Processes reading and tokenizing (default: the CPUs this process may use). The output is the same "
     "for any number.",
 )
-@click.option("--eos/--no-eos", default=True, show_default=True, help="Append the EOS token after each document.")
+@click.option(
+    "--eos/--no-eos",
+    default=True,
+    show_default=True,
+    help="Append the EOS token after each document (text; a completion without a chat template).",
+)
 @click.option(
     "--val-share",
     type=float,

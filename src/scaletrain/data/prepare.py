@@ -147,17 +147,15 @@ def prepare(opts: PrepareOptions, on_progress: OnProgress | None = None) -> Prep
         raise PrepareError(f"--max-tokens: must be >= 1 (got {opts.max_tokens})")
     if opts.overlong not in OVERLONG:
         raise PrepareError(f"--overlong: {opts.overlong!r} is not one of {', '.join(OVERLONG)}")
-    template = None
+    template = read_chat_template(tokenizer_folder(opts.tokenizer)) if opts.masked else None
     try:
-        if opts.masked:
-            template = read_chat_template(tokenizer_folder(opts.tokenizer))
-            if opts.format == CHAT and template is None:
-                raise PrepareError(
-                    f"--tokenizer {opts.tokenizer}: no chat template (chat_template in tokenizer_config.json or "
-                    "chat_template.jinja); --format chat renders with the tokenizer's own template: use the model's "
-                    "tokenizer folder, or --format prompt-completion / text"
-                )
         tok = load_tokenizer(opts.tokenizer, _appends_eos(opts, template))
+        if opts.format == CHAT and template is None:
+            raise PrepareError(
+                f"--tokenizer {opts.tokenizer}: no chat template (chat_template in tokenizer_config.json or "
+                "chat_template.jinja); --format chat renders with the tokenizer's own template: use the model's "
+                "tokenizer folder, or --format prompt-completion / text"
+            )
         dtype = token_dtype(tok.info.vocab_size)
         files = find_inputs(opts.inputs, exclude=opts.out)
         for f in files:
