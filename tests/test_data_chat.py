@@ -7,6 +7,7 @@ and a prepared chat dataset trains through `scaletrain train`."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -158,7 +159,11 @@ def test_chat_mask_trains_exactly_the_assistant_turns(tmp_path, style):
     tok = _chat_tokenizer(tmp_path / "tok", style)
     # Gemma's template refuses a system turn
     conversations = [c[1:] if style == "gemma" and c[0]["role"] == "system" else c for c in CONVERSATIONS]
-    _jsonl(tmp_path / "in" / "chats.jsonl", [{"messages": c, "id": i} for i, c in enumerate(conversations)])
+    # one conversation from each kind of record input: JSON Lines, gzip JSON Lines, Parquet
+    _jsonl(tmp_path / "in" / "a.jsonl", [{"messages": conversations[0], "id": 0}])
+    with gzip.open(tmp_path / "in" / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"messages": conversations[1]}) + "\n")
+    pq.write_table(pa.table({"messages": [conversations[2]]}), tmp_path / "in" / "c.parquet")
     prepare(PrepareOptions([str(tmp_path / "in")], tmp_path / "out", str(tok), format="chat", val_share=0.0))
     vocab = json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"]
     samples = _samples(tmp_path / "out")
