@@ -107,7 +107,9 @@ class ChatEncoder:
         return text
 
     def chat(self, messages: object) -> Encoded:
-        """Token ids and mask of one conversation (already checked to be a list of {role, content})."""
+        """Token ids and mask of one conversation (a list of {role, content}; SampleError if not, or if the
+        template refuses it; TemplateError if the template is not prefix-stable). Turns with role "assistant"
+        are trained."""
         msgs = check_messages(messages)
         whole = self._render(msgs, generation_prompt=False)
         spans = []
@@ -135,6 +137,7 @@ class ChatEncoder:
         return Encoded(ids, mask)
 
     def prompt_completion(self, prompt: object, completion: object) -> Encoded:
+        """Token ids and mask of a prompt and its completion (strings; SampleError if not)."""
         for value, what in ((prompt, "prompt"), (completion, "completion")):
             if not isinstance(value, str):
                 raise SampleError(f"the {what} is {type(value).__name__}, not a string")
