@@ -67,7 +67,7 @@ def _build(overrides: list[str]):
 
     trainer = Trainer.build(load_config(None, overrides))
     info = {
-        "layout": trainer.dims.describe(),
+        "layout": trainer.layout.describe_mesh(),
         "world_size": trainer.rt.world_size,
         "model": trainer.cfg.model.name,
         "model_spec": trainer.spec.manifest(),

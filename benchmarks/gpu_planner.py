@@ -32,7 +32,7 @@ from scaletrain.hardware import apply_calibration, load_calibration, make_cluste
 from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, Workload, evaluate_layout
 from scaletrain.plan.layout import AC_MODES
-from scaletrain.train.preflight import resolve_job
+from scaletrain.resolve import resolve_job
 
 MODEL = "llama-1b"
 DEFAULT_RUNS = "none:1,none:2,none:4,selective:4,full:4,none:2:compile,full:4:compile"

@@ -97,27 +97,26 @@ def worker(folder: Path, mode: str, out: Path) -> None:
     from scaletrain.models.spec import init_by_name
     from scaletrain.parallel import init_distributed, shutdown_distributed
     from scaletrain.parallel.dims import build_mesh
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
     from scaletrain.train.trainer import build_model
 
     rt = init_distributed("cpu")
     cfg = load_config(None, [f"model.hf={folder}", "data.seq_len=128"])
     resolved = resolve_job(cfg, rt.world_size)
-    mesh = build_mesh(resolved.dims, "cpu")
+    mesh = build_mesh(resolved.layout, "cpu")
     spec = resolved.spec
     before = status_mib()
     if mode == "sliced":
         model = build_model(cfg, resolved, mesh, rt).module
     else:
-        from scaletrain.parallel.apply import apply_parallelism
+        from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
 
         def fill(m):
             spec.init_buffers(m)
             init_by_name(m, 0, spec.param_init_std)
 
-        model = apply_parallelism(
-            spec.build("meta"), resolved.dims, mesh, rt.device, cfg.parallel, cfg.precision, spec=spec, init_fn=fill
-        ).module
+        plan = ParallelPlan(resolved.layout, cfg.parallel, cfg.precision, spec)
+        model = apply_parallelism(spec.build("meta"), plan, mesh, rt.device, fill).module
         load_hf_weights(model, folder, spec)
     after = status_mib()
     local = sum(p.to_local().numel() * 4 for p in model.parameters())  # type: ignore[operator]

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from scaletrain.config import load_config
-from scaletrain.train.preflight import resolve_job
+from scaletrain.resolve import resolve_job
 
 
 def divisors(n: int) -> list[int]:

@@ -84,16 +84,17 @@ def _train(shape, variant: str, args, rank: int, world: int, device: torch.devic
     from scaletrain.config.schema import ParallelConfig, PrecisionConfig, TrainConfig
     from scaletrain.data.loader import Batch
     from scaletrain.models.llama.spec import LlamaSpec
-    from scaletrain.parallel.apply import apply_parallelism
-    from scaletrain.parallel.dims import ParallelDims, build_mesh
+    from scaletrain.config.layout import Layout
+    from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
+    from scaletrain.parallel.dims import build_mesh
     from scaletrain.train import step as train_step
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
 
     lean = variant != "plain-act"
     spec = LlamaSpec(shape)
-    dims = ParallelDims(1, world, 1, 1)
-    mesh = build_mesh(dims, device.type)
+    layout = Layout(1, world, 1, 1, precision=args.dtype)
+    mesh = build_mesh(layout, device.type)
     pcfg = ParallelConfig(
         dp_shard=world,
         fsdp_accumulate="unsharded" if variant == "unsharded" else "sharded",
@@ -103,14 +104,10 @@ def _train(shape, variant: str, args, rank: int, world: int, device: torch.devic
     for module in model.modules():  # the Llama's attention and SwiGLU read this flag
         if hasattr(module, "lean_activations"):
             module.lean_activations = lean
-    pm = apply_parallelism(
-        model, dims, mesh, device, pcfg, PrecisionConfig(dtype=args.dtype), spec=spec,
-        init_fn=lambda m: spec.init_weights(m, 0),
-    )  # fmt: skip
+    plan = ParallelPlan(layout, pcfg, PrecisionConfig(dtype=args.dtype), spec)
+    pm = apply_parallelism(model, plan, mesh, device, lambda m: spec.init_weights(m, 0))
     opt = build_optimizer(pm.module, TrainConfig())
-    job = Job.for_model(
-        pm, opt, dims, mesh, _Rt(rank, world, device), args.dtype, 1.0, fsdp_accumulate=pcfg.fsdp_accumulate
-    )
+    job = Job.for_model(pm, opt, _Rt(rank, world, device), grad_clip=1.0)
     gen = torch.Generator().manual_seed(rank)
     times = []
     loss_fn = train_step._token_loss_sum

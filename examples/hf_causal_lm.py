@@ -80,7 +80,7 @@ def main() -> None:
     plan = TP_PLAN if args.tp_plan == "mine" else None  # None: the model's own base_model_tp_plan
     job = scaletrain.setup(model, optimizer, data_parallel=args.data_parallel, tp=args.tp, tp_plan=plan, grad_clip=1.0)
     if job.rank == 0:
-        print(f"layout {job.dims.describe()}", flush=True)
+        print(f"layout {job.layout.describe_mesh()}", flush=True)
     loader = job.loader(PatternTokens(256, 16, config.vocab_size), global_batch_size=args.global_batch)
     if args.ckpt:
         extra = job.load(args.ckpt)  # None: nothing saved yet

@@ -66,7 +66,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     job = scaletrain.setup(model, optimizer, data_parallel="fsdp", precision="bf16", shard=BasicBlock, grad_clip=1.0)
     if job.rank == 0:
-        print(f"layout {job.dims.describe()}", flush=True)
+        print(f"layout {job.layout.describe_mesh()}", flush=True)
     loader = job.loader(Quadrants(512), global_batch_size=32)
     for step, (images, labels) in zip(range(1, 21), loader):
         with job.autocast():

@@ -66,8 +66,8 @@ def run_job(
     losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
     out.mkdir(parents=True, exist_ok=True)
-    tp_rank = trainer.mesh["tp"].get_local_rank() if trainer.dims.tp > 1 else 0
-    cp_rank = trainer.mesh["cp"].get_local_rank() if trainer.dims.cp > 1 else 0
+    tp_rank = trainer.mesh["tp"].get_local_rank() if trainer.layout.tp > 1 else 0
+    cp_rank = trainer.mesh["cp"].get_local_rank() if trainer.layout.cp > 1 else 0
     if trainer.job.dp_rank == 0 and tp_rank == 0 and cp_rank == 0:
         torch.save(state, out / f"state_rank{rt.rank}.pt")
     if rt.rank == 0:

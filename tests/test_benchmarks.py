@@ -216,7 +216,7 @@ def test_gpu_check_dry_run_lists_every_figure_and_the_trainer_accepts_each_confi
     import importlib.util
 
     from scaletrain.config import load_config
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
 
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu_check.py")
     assert spec and spec.loader

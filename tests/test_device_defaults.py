@@ -9,7 +9,7 @@ import torch
 from conftest import FAST, run_cli_in_process
 from scaletrain.config import load_config
 from scaletrain.parallel.compile import COMPILE_SECONDS, COMPILE_SPEEDUP, CompileProbe
-from scaletrain.train.preflight import settle_device_defaults
+from scaletrain.resolve import settle_device_defaults
 
 
 def _gpu(monkeypatch, bf16: bool = True) -> None:

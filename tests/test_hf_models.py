@@ -137,7 +137,7 @@ def test_the_first_loss_from_saved_weights_is_transformers_own(runs, folders, fa
     from transformers import AutoModelForCausalLM
 
     from scaletrain.config import load_config
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
     from scaletrain.train.trainer import build_loaders
 
     cfg = load_config(None, [*FAST, *STEPS, f"model.hf={folders[family]}", "parallel.dp_shard=1"])
@@ -210,7 +210,7 @@ def _file_keys(folder: Path) -> set[str]:
 
 def _refusal(overrides: list[str], world: int = 2) -> str:
     from scaletrain.config import load_config
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
 
     with pytest.raises(ValueError) as e:
         resolve_job(load_config(None, [*FAST, *overrides]), world)

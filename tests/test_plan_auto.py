@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from scaletrain.cli.main import main
 from scaletrain.config import validate_config
-from scaletrain.train.preflight import resolve_job
+from scaletrain.resolve import resolve_job
 
 from conftest import losses, run_cli
 

@@ -78,20 +78,14 @@ def _grad_bytes(model: torch.nn.Module) -> int:
 
 
 def _build(spec, dims, mesh, pcfg, dtype: str, microbatches: int):
-    from scaletrain.config.schema import PrecisionConfig
-    from scaletrain.parallel.apply import apply_parallelism
+    from dataclasses import replace
 
+    from scaletrain.config.schema import PrecisionConfig
+    from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
+
+    plan = ParallelPlan(replace(dims, accumulation=microbatches), pcfg, PrecisionConfig(dtype=dtype), spec, seq_len=SEQ)
     return apply_parallelism(
-        spec.build("meta"),
-        dims,
-        mesh,
-        torch.device("cpu"),
-        pcfg,
-        PrecisionConfig(dtype=dtype),
-        spec=spec,
-        init_fn=lambda m, s=spec: s.init_weights(m, 0),
-        microbatches=microbatches,
-        seq_len=SEQ,
+        spec.build("meta"), plan, mesh, torch.device("cpu"), lambda m, s=spec: s.init_weights(m, 0)
     )
 
 
@@ -110,17 +104,18 @@ def _offload_run(rank: int, world: int, offload: bool) -> dict:
     """FSDP2 on every rank, fp32, OFFLOAD_STEPS steps of 2 micro-batches: per-step losses and where the model
     states live after the last step."""
     from scaletrain.config.schema import ParallelConfig, TrainConfig
-    from scaletrain.parallel.dims import ParallelDims, build_mesh
+    from scaletrain.config.layout import Layout
+    from scaletrain.parallel.dims import build_mesh
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
     from scaletrain.train.step import forward_backward, sum_over_ranks
 
     spec = _spec(256)
-    dims = ParallelDims(1, world, 1, 1)
+    dims = Layout(1, world, 1, 1)
     mesh = build_mesh(dims, "cpu")
     pm = _build(spec, dims, mesh, ParallelConfig(dp_shard=world, cpu_offload=offload), "fp32", 1)
     opt = build_optimizer(pm.module, TrainConfig())
-    job = Job(model=pm.module, optimizer=opt, dims=dims, mesh=mesh, device=torch.device("cpu"), rank=rank,
+    job = Job(model=pm.module, optimizer=opt, layout=dims, mesh=mesh, device=torch.device("cpu"), rank=rank,
               world_size=world, dp_rank=rank, dtype="fp32")  # fmt: skip
     losses = []
     for step in range(OFFLOAD_STEPS):
@@ -148,7 +143,8 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
     import torch.distributed as dist
 
     from scaletrain.config.schema import ParallelConfig, TrainConfig
-    from scaletrain.parallel.dims import ParallelDims, build_mesh
+    from scaletrain.config.layout import Layout
+    from scaletrain.parallel.dims import build_mesh
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
     from scaletrain.train.step import forward_backward
@@ -160,7 +156,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
         for layout in layouts:
             dpr, dps, tp, pp, dtype, schedule, vocab, accumulate = layout
             spec = _spec(vocab)
-            dims = ParallelDims(dpr, dps, tp, pp)
+            dims = Layout(dpr, dps, tp, pp)
             mesh = build_mesh(dims, "cpu")
             pcfg = ParallelConfig(
                 dp_replicate=dpr,
@@ -177,7 +173,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
             job = Job(
                 model=model,
                 optimizer=opt,
-                dims=dims,
+                layout=dims,
                 mesh=mesh,
                 device=torch.device("cpu"),
                 rank=rank,

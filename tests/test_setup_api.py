@@ -85,16 +85,17 @@ def test_fsdp_on_models_users_bring(tmp_path):
 
 
 def test_hsdp_without_a_shard_group_is_refused():
-    from scaletrain.api import _parallel_config
+    from scaletrain.api import _layout
+    from scaletrain.config.layout import DataParallelMode
 
     with pytest.raises(ValueError, match=r"^dp_replicate: HSDP needs .* shard groups of >= 2 ranks \(got 2\)"):
-        _parallel_config("hsdp", 2, 2, True)
+        _layout("hsdp", 2, 2)
     with pytest.raises(ValueError, match="^tp: 3 does not divide the 4 ranks"):
-        _parallel_config("fsdp", 4, None, True, tp=3)
-    cfg = _parallel_config("hsdp", 4, 2, True)
-    assert (cfg.dp_replicate, cfg.dp_shard) == (2, 2)
-    cfg = _parallel_config("fsdp", 4, None, True, tp=2)
-    assert (cfg.dp_replicate, cfg.dp_shard, cfg.tp) == (1, 2, 2)
+        _layout("fsdp", 4, None, tp=3)
+    layout = _layout("hsdp", 4, 2)
+    assert (layout.dp_replicate, layout.dp_shard, layout.mode) == (2, 2, DataParallelMode.HSDP)
+    layout = _layout("fsdp", 4, None, tp=2)
+    assert (layout.dp_replicate, layout.dp_shard, layout.tp, layout.mode) == (1, 2, 2, DataParallelMode.FSDP)
 
 
 def test_tp_plan_errors_are_one_line():

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from scaletrain.config import TrainConfig
-from scaletrain.parallel.dims import ParallelDims, build_mesh
+from scaletrain.config.layout import Layout
+from scaletrain.parallel.dims import build_mesh
 from scaletrain.train.job import Job, global_grad_norm, make_scaler
 from scaletrain.train.optim import build_scheduler, lr_factor
 
-ONE = ParallelDims(1, 1, 1, 1)
+ONE = Layout()
 CPU = torch.device("cpu")
 
 
@@ -31,7 +32,7 @@ def _job(optimizer_cls=torch.optim.SGD, grad_clip=0.0, dtype="fp32", **opt_kw):
     return Job(
         model=model,
         optimizer=opt,
-        dims=ONE,
+        layout=ONE,
         mesh=build_mesh(ONE, "cpu"),
         device=CPU,
         rank=0,

@@ -17,17 +17,19 @@ Run it with `torchrun --nproc-per-node N my_script.py`, or as a plain `python my
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Literal, cast
 
 import torch
 from torch import nn
 
+from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.precisions import PrecisionName
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
 from scaletrain.models.spec import ModelSpec
-from scaletrain.parallel.apply import apply_parallelism
+from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
 from scaletrain.parallel.blocks import ShardRule
-from scaletrain.parallel.dims import ParallelDims, build_mesh
+from scaletrain.parallel.dims import build_mesh
 from scaletrain.parallel.runtime import init_distributed, pick_device_type
 from scaletrain.parallel.tensor_parallel import auto_tp_plan
 from scaletrain.train.job import rebind_optimizer
@@ -37,38 +39,33 @@ DataParallel = Literal["auto", "none", "ddp", "fsdp", "hsdp"]
 TPPlan = dict | Callable[[nn.Module], dict]
 
 
-def _parallel_config(
-    data_parallel: DataParallel, world: int, dp_replicate: int | None, reshard_after_forward: bool, tp: int = 1
-) -> ParallelConfig:
+def _layout(data_parallel: DataParallel, world: int, dp_replicate: int | None, tp: int = 1) -> Layout:
+    """The Layout setup()'s arguments ask for on `world` ranks (tp ranks apart, data parallelism over the rest);
+    ValueError (one line naming the argument) when they cannot run there."""
     if tp < 1 or world % tp:
         raise ValueError(f"tp: {tp} does not divide the {world} ranks; pick a tp that divides the world size")
     dp = world // tp
-    mode = data_parallel
-    if mode == "auto":
-        mode = "ddp" if dp > 1 else "none"
-    if mode == "none":
+    if data_parallel == "auto":
+        data_parallel = "ddp" if dp > 1 else "none"
+    if data_parallel not in ("none", "ddp", "fsdp", "hsdp"):
+        raise ValueError(f"data_parallel: unknown mode {data_parallel!r}; use auto, none, ddp, fsdp or hsdp")
+    mode = DataParallelMode.SINGLE if data_parallel == "none" else DataParallelMode(data_parallel)
+    if mode is DataParallelMode.SINGLE:
         if dp > 1:
             raise ValueError(f"data_parallel='none' on {dp} data-parallel ranks: pick 'ddp', 'fsdp' or 'hsdp'")
-        return ParallelConfig(dp_replicate=1, dp_shard=1, tp=tp)
-    if mode == "ddp":
-        return ParallelConfig(dp_replicate=dp, dp_shard=1, tp=tp)
-    if mode == "fsdp":
-        return ParallelConfig(dp_replicate=1, dp_shard=dp, tp=tp, fsdp_reshard_after_forward=reshard_after_forward)
-    if mode == "hsdp":
-        # refused rather than run: with one rank per shard group HSDP shards nothing, so it would be DDP through
-        # FSDP's machinery (slower, same memory) while the user believes the model is sharded
-        if not dp_replicate or dp_replicate < 2 or dp % dp_replicate or dp // dp_replicate < 2:
-            raise ValueError(
-                f"dp_replicate: HSDP needs a replica count >= 2 dividing the {dp} data-parallel ranks into shard "
-                f"groups of >= 2 ranks (got {dp_replicate}); use data_parallel='ddp' or 'fsdp', or more ranks"
-            )
-        return ParallelConfig(
-            dp_replicate=dp_replicate,
-            dp_shard=dp // dp_replicate,
-            tp=tp,
-            fsdp_reshard_after_forward=reshard_after_forward,
+        return Layout(dp_replicate=1, dp_shard=1, tp=tp)
+    if mode is DataParallelMode.DDP:
+        return Layout(dp_replicate=dp, dp_shard=1, tp=tp)
+    if mode is DataParallelMode.FSDP:
+        return Layout(dp_replicate=1, dp_shard=dp, tp=tp)
+    # HSDP is refused rather than run with one rank per shard group: it would shard nothing, DDP through FSDP's
+    # machinery (slower, same memory), while the user believes the model is sharded
+    if not dp_replicate or dp_replicate < 2 or dp % dp_replicate or dp // dp_replicate < 2:
+        raise ValueError(
+            f"dp_replicate: HSDP needs a replica count >= 2 dividing the {dp} data-parallel ranks into shard "
+            f"groups of >= 2 ranks (got {dp_replicate}); use data_parallel='ddp' or 'fsdp', or more ranks"
         )
-    raise ValueError(f"data_parallel: unknown mode {data_parallel!r}; use auto, none, ddp, fsdp or hsdp")
+    return Layout(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp)
 
 
 def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpec | None) -> dict | None:
@@ -158,19 +155,22 @@ def setup(
     .autocast(), .accumulate(sync), .backward(loss), .step(), .save(dir, extra), .load(dir), .loader(dataset, ...).
     """
     rt = init_distributed(pick_device_type(device), timeout_s)
-    pcfg = _parallel_config(data_parallel, rt.world_size, dp_replicate, reshard_after_forward, tp)
-    dims = ParallelDims.resolve(pcfg, rt.world_size)
-    mesh = build_mesh(dims, rt.device.type)
+    layout = replace(_layout(data_parallel, rt.world_size, dp_replicate, tp), precision=precision)
+    mesh = build_mesh(layout, rt.device.type)
     names = {id(p): n for n, p in model.named_parameters()}
-    styles = _tp_styles(model, tp, tp_plan, spec)
-    laid_out = apply_parallelism(
-        model, dims, mesh, rt.device, pcfg, PrecisionConfig(dtype=precision), spec, shard=shard, tp_styles=styles
+    # how each parallelism runs: the [parallel] section a job config would give (its degrees are the layout's)
+    parallel = ParallelConfig(
+        dp_replicate=layout.dp_replicate,
+        dp_shard=layout.dp_shard,
+        tp=layout.tp,
+        fsdp_reshard_after_forward=reshard_after_forward,
+        fsdp_accumulate=fsdp_accumulate,
     )
+    styles = _tp_styles(model, tp, tp_plan, spec)
+    plan = ParallelPlan(layout, parallel, PrecisionConfig(dtype=precision), spec, shard=shard, tp_styles=styles)
+    laid_out = apply_parallelism(model, plan, mesh, rt.device)
     if any(id(p) not in names for p in laid_out.module.parameters()):
         optimizer = rebind_optimizer(optimizer, names, laid_out.module)
-    job = cast(
-        SetupJob,
-        SetupJob.for_model(laid_out, optimizer, dims, mesh, rt, precision, grad_clip, fsdp_accumulate=fsdp_accumulate),
-    )
+    job = cast(SetupJob, SetupJob.for_model(laid_out, optimizer, rt, grad_clip))
     job.model_spec = spec if spec is not None else _transformers_spec(model)  # `ckpt export --format hf` needs it
     return job

@@ -23,7 +23,7 @@ def _load(args: tuple[str, ...]):
 
 def _prepare(cfg, nodes: int, gpus_per_node: int, ranks: int, output_dir: str | None = None):
     """Fit the config to the allocation and check it for that world size (one-line errors)."""
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
 
     try:
         if gpus_per_node == 0 and cfg.run.device == "auto":

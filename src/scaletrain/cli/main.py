@@ -80,7 +80,8 @@ def train(
     Under an external `torchrun`, runs as the rank it was started as.
     """
     from scaletrain.config import load_config, split_config_args, to_toml
-    from scaletrain.train.preflight import default_nproc, resolve_job, settle_device_defaults, under_external_launcher
+    from scaletrain.parallel.rank_env import under_external_launcher
+    from scaletrain.resolve import default_nproc, resolve_job, settle_device_defaults
 
     path, overrides = split_config_args(args)
     overrides = [*overrides, *_node_overrides(nnodes, node_rank, rdzv_endpoint)]
@@ -191,7 +192,8 @@ def _planned(path, overrides, cfg, plan_mode, calibration, nproc_per_node) -> Jo
 
     from scaletrain.hardware import CalibrationError, detect_host
     from scaletrain.plan.auto import PLAN_CHOICES, auto_plan
-    from scaletrain.train.preflight import default_nproc, under_external_launcher
+    from scaletrain.parallel.rank_env import under_external_launcher
+    from scaletrain.resolve import default_nproc
 
     if plan_mode not in PLAN_CHOICES:
         fail(

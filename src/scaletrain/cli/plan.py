@@ -442,15 +442,15 @@ def plan(
     config = _job_config(config_args) if config_args else None
     shape = None
     if config is not None:
-        cfg, given = config
+        cfg = config
         from_flags = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
         if params is None and not from_flags:
             shape, model = _config_shape(cfg), cfg.model.name
         seq_len = seq_len if seq_len is not None else cfg.data.seq_len
-        if global_batch is None and "train.global_batch_size" in given:
+        if global_batch is None and "global_batch_size" in cfg.train.model_fields_set:
             global_batch = cfg.train.global_batch_size
         if gpus is None and cluster_file is None:
-            gpus = _config_world(cfg, given)
+            gpus = _config_world(cfg)
     cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     try:
         work = _workload(
@@ -477,7 +477,7 @@ def plan(
         fail(str(e))
     pins = None
     if config is not None:
-        pins = _pins(config[0], config[1], work, cluster.gpus)
+        pins = _pins(config, work, cluster.gpus)
         opts = _pinned_options(opts, pins)
 
     if compare_gpus:
@@ -530,15 +530,14 @@ def plan(
 
 
 def _job_config(config_args):
-    """(JobConfig, the dotted keys the user set) of `[CONFIG.toml] [key=value ...]`; one line on a bad config."""
+    """The JobConfig of `[CONFIG.toml] [key=value ...]` (its model_fields_set: the keys the user set); one line on a
+    bad config."""
     from scaletrain.config import ConfigError, load_config
     from scaletrain.config.load import split_config_args
-    from scaletrain.plan.auto import explicit_keys
 
     path, overrides = split_config_args(config_args)
     try:
-        cfg = load_config(path, overrides)
-        return cfg, explicit_keys(path, overrides)
+        return load_config(path, overrides)
     except ConfigError as e:
         fail(str(e))
 
@@ -557,20 +556,20 @@ def _config_shape(cfg):
     return shape
 
 
-def _config_world(cfg, given):
+def _config_world(cfg):
     """GPUs a job config runs on: launch.nproc_per_node x launch.nnodes when set, else the product of the four
     pinned degrees; None when neither says."""
     from scaletrain.plan.pin import pinned_world, pins_from_config
 
-    if "launch.nproc_per_node" in given and cfg.launch.nproc_per_node > 0:
+    if "nproc_per_node" in cfg.launch.model_fields_set and cfg.launch.nproc_per_node > 0:
         return cfg.launch.nproc_per_node * cfg.launch.nnodes
-    return pinned_world(pins_from_config(cfg, given, None))
+    return pinned_world(pins_from_config(cfg, None))
 
 
-def _pins(cfg, given, work, world):
+def _pins(cfg, work, world):
     from scaletrain.plan.pin import PinError, check_pins, pins_from_config
 
-    pins = pins_from_config(cfg, given, world)
+    pins = pins_from_config(cfg, world)
     try:
         check_pins(pins, work, world)
     except PinError as e:
@@ -582,14 +581,14 @@ def _pinned_options(opts, pins):
     """Search options that cover every pinned value (a pinned precision, checkpointing mode, schedule or
     micro-batch is searched even where the flags would not search it)."""
     changes: dict = {"pins": pins}
-    if pins.get("precision") is not None:
-        changes["precisions"] = (pins.get("precision"),)
-    if pins.get("ac") is not None:
-        changes["ac_modes"] = (pins.get("ac"),)
-    if pins.get("schedule") is not None:
-        changes["schedules"] = (pins.get("schedule"),)
-    if pins.get("micro_batch") is not None:
-        changes["max_micro_batch"] = max(opts.max_micro_batch, int(pins.get("micro_batch")))
+    if pins.precision is not None:
+        changes["precisions"] = (pins.precision,)
+    if pins.ac is not None:
+        changes["ac_modes"] = (pins.ac,)
+    if pins.schedule is not None:
+        changes["schedules"] = (pins.schedule,)
+    if pins.micro_batch is not None:
+        changes["max_micro_batch"] = max(opts.max_micro_batch, pins.micro_batch)
     return dataclasses.replace(opts, **changes)
 
 

@@ -133,7 +133,8 @@ class ParallelConfig(Section):
     """Degrees of the device mesh, and how each parallelism is applied. The degrees' product is the world size;
     -1 on dp_shard fills the rest.
 
-    dp_replicate > 1 with dp_shard == 1 is DDP; dp_shard > 1 is FSDP2; both > 1 is HSDP. tp splits every block's
+    dp_replicate > 1 with dp_shard == 1 is DDP; dp_shard > 1 is FSDP2; both > 1 is HSDP (config/layout.py
+    DataParallelMode.of decides; the resolved degrees are a Layout, resolve/job.py). tp splits every block's
     matmuls (DTensor), pp splits the layers into pipeline stages (torch.distributed.pipelining), cp splits every
     sequence over ranks (parallel/context_parallel.py; its ranks join the FSDP shard group).
     Applied in one fixed order: pipeline split -> CP -> TP -> activation checkpointing -> compile -> FSDP/DDP.

@@ -7,17 +7,22 @@ allocates only its shard), before DDP (which broadcasts rank 0's weights at cons
 FSDP shard the TP shards (2-D DTensors); AC and compile wrap whole blocks before FSDP so that FSDP still sees one
 unit per block. FP8 conversion comes first (as in torchtitan) so TP and FSDP shard the float8 linears' weights and
 pick their float8 styles and all-gathers (parallel/float8.py).
+
+What to apply is one ParallelPlan: the Layout's degrees (config/layout.py), the job's [parallel] and [precision]
+sections for how each parallelism runs, and the model's spec. The trainer builds it from its resolved job
+(train/trainer.py build_model), `scaletrain.setup()` from its arguments (api.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
 from scaletrain.models.spec import ModelSpec
 from scaletrain.models.stages import split_layers
@@ -26,16 +31,38 @@ from scaletrain.parallel.compile import apply_compile
 from scaletrain.parallel.blocks import ShardRule
 from scaletrain.parallel.context_parallel import ContextParallel, apply_context_parallel, pick_cp_method
 from scaletrain.parallel.data_parallel import apply_ddp, apply_fsdp
-from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.pipeline import Pipeline, PipelinedModel, build_pipeline, shared_copies, stages_of_rank
 from scaletrain.parallel.tensor_parallel import TPOptions, apply_tensor_parallel
 
 
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What apply_parallelism lays a model out by: the layout's degrees, how each parallelism runs (the job's
+    [parallel] section; its degrees are the layout's), the [precision] section, and the model's spec (None: a model
+    read by structure, from setup(), which cannot be pipelined or context-parallel)."""
+
+    layout: Layout
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    spec: ModelSpec | None = None
+    seq_len: int | None = None  # tokens per sample: the context-parallel split and the pipeline's stage balance
+    shard: ShardRule | None = None  # setup(): the modules FSDP2 shards as units (None: the spec's or found blocks)
+    tp_styles: dict | None = None  # setup(): a {module path: ParallelStyle} plan used instead of parallel.tp_plan
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per step (pp > 1): the layout's accumulation."""
+        return self.layout.accumulation
+
+
 @dataclass
 class ParallelModel:
-    """What apply_parallelism built: the module to train, and what the training step must know to run it."""
+    """What apply_parallelism built: the module to train, the plan and mesh it was laid out by, and what the
+    training step must know to run it."""
 
     module: nn.Module  # the wrapped model; with pp > 1 a PipelinedModel of this rank's stages
+    plan: ParallelPlan
+    mesh: Any  # the DeviceMesh of plan.layout (parallel/dims.py build_mesh); None on one rank
     pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
     context: ContextParallel | None = None  # cp > 1: this rank's part of every sequence (inputs/targets sharded)
@@ -76,44 +103,43 @@ def _materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.M
 
 def _parallelize(
     model: nn.Module,
-    spec: ModelSpec | None,
-    dims: ParallelDims,
+    plan: ParallelPlan,
     mesh,
     device: torch.device,
-    parallel: ParallelConfig,
-    precision: PrecisionConfig,
     init_fn: Callable[[nn.Module], None] | None,
-    shard: ShardRule | None = None,
-    tp_styles: dict | None = None,
+    whole_model: bool = True,
 ) -> tuple[nn.Module, bool]:
-    """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it); returns it and whether its
-    logits are vocabulary-sharded (loss parallel)."""
+    """TP → AC → compile → FSDP/DDP on one model (or one pipeline stage of it, whole_model=False: the plan's own
+    FSDP units and TP styles are for a whole model); returns it and whether its logits are vocabulary-sharded
+    (loss parallel)."""
+    layout, parallel, precision, spec = plan.layout, plan.parallel, plan.precision, plan.spec
+    shard, tp_styles = (plan.shard, plan.tp_styles) if whole_model else (None, None)
     loss_parallel = False
-    if dims.tp > 1:
+    if layout.tp > 1:
         loss_parallel = (
             parallel.loss_parallel
-            and dims.pp == 1
+            and layout.pp == 1
             and parallel.tp_plan == "model"
             and tp_styles is None
             and spec is not None
             and spec.has_output(model)
         )
-        plan = tp_styles if tp_styles is not None else parallel.tp_plan
+        styles = tp_styles if tp_styles is not None else parallel.tp_plan
         # float8 styles move float8 tensors through TP collectives, which gloo cannot carry ("Invalid scalar
         # type", torch 2.13) once sequence parallelism all-gathers activations: plain styles on CPU ranks there
         float8_styles = precision.fp8 == "tensorwise" and not (parallel.sequence_parallel and device.type != "cuda")
         opts = TPOptions(parallel.sequence_parallel, loss_parallel, float8=float8_styles)
-        apply_tensor_parallel(model, mesh["tp"], opts, plan, spec)
+        apply_tensor_parallel(model, mesh["tp"], opts, styles, spec)
     apply_activation_checkpointing(
         model, parallel.activation_checkpoint, parallel.ac_selective, parallel.ac_every, spec
     )
     if parallel.compile is True:  # "auto" compiles later, if at all (parallel/compile.py CompileProbe)
         apply_compile(model, spec)
-    if dims.mode in ("fsdp", "hsdp"):
+    if layout.mode.sharded:
         model = apply_fsdp(
             model,
             mesh,
-            dims,
+            layout,
             precision.dtype,
             precision.reduce_dtype,
             parallel.fsdp_reshard_after_forward,
@@ -129,17 +155,18 @@ def _parallelize(
             _materialize(model, device, init_fn)
         return model, loss_parallel
     _materialize(model, device, init_fn)
-    if dims.mode == "ddp":
+    if layout.mode is DataParallelMode.DDP:
         return apply_ddp(model, mesh, device, parallel.ddp_bucket_cap_mb), loss_parallel
     return model, loss_parallel
 
 
 def _apply_float8(
-    model: nn.Module, spec: ModelSpec | None, dims: ParallelDims, device: torch.device, precision: PrecisionConfig
+    model: nn.Module, plan: ParallelPlan, device: torch.device
 ) -> Callable[[list[nn.Module]], None] | None:
     """Convert the blocks' linears to float8 (precision.fp8) on the whole model, before the pipeline cut; returns
     what must run after each optimizer step (the float8 all-gather's scale precompute), if anything."""
-    if precision.fp8 == "none":
+    fp8 = plan.precision.fp8
+    if fp8 == "none":
         return None
     from scaletrain.parallel.float8 import (
         check_float8_device,
@@ -148,9 +175,9 @@ def _apply_float8(
         uses_float8_all_gather,
     )
 
-    check_float8_device(precision.fp8, device.type)
-    fsdp = dims.mode in ("fsdp", "hsdp")
-    convert_to_float8(model, precision.fp8, spec, emulate=device.type != "cuda", fsdp_all_gather=fsdp, tp=dims.tp)
+    check_float8_device(fp8, device.type)
+    fsdp, tp = plan.layout.mode.sharded, plan.layout.tp
+    convert_to_float8(model, fp8, plan.spec, emulate=device.type != "cuda", fsdp_all_gather=fsdp, tp=tp)
     return precompute_float8_scales if uses_float8_all_gather(model) else None
 
 
@@ -160,55 +187,48 @@ def _bind(hook: Callable[[list[nn.Module]], None] | None, modules: list[nn.Modul
 
 def apply_parallelism(
     model: nn.Module,
-    dims: ParallelDims,
+    plan: ParallelPlan,
     mesh,
     device: torch.device,
-    parallel: ParallelConfig,
-    precision: PrecisionConfig,
-    spec: ModelSpec | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
-    microbatches: int = 1,
-    seq_len: int | None = None,
-    shard: ShardRule | None = None,
-    tp_styles: dict | None = None,
 ) -> ParallelModel:
-    """The model wrapped for `dims` on `mesh`, its weights on `device` (filled by init_fn if on meta).
+    """The model wrapped for `plan` on `mesh` (build_mesh of plan.layout), its weights on `device` (filled by
+    init_fn if on meta).
 
-    `spec` answers which modules are the blocks, the TP plan and the pipeline cut; a model without one (setup())
+    plan.spec answers which modules are the blocks, the TP plan and the pipeline cut; a model without one (setup())
     is read by structure and cannot be pipelined. With pp > 1 the module is a PipelinedModel of this rank's stages,
-    run by the returned pipeline over `microbatches` micro-batches per step; the stage split is balanced by the
-    cost of seq_len-token samples. `shard` names the FSDP units and `tp_styles` is a {module path: ParallelStyle}
-    plan used instead of the configured one (both from `scaletrain.setup()`).
+    run by the returned pipeline over plan.microbatches micro-batches per step; the stage split is balanced by the
+    cost of plan.seq_len-token samples.
     """
+    layout, parallel, spec = plan.layout, plan.parallel, plan.spec
 
     def context_parallel(part: nn.Module) -> ContextParallel | None:
-        if dims.cp == 1:
+        if layout.cp == 1:
             return None
-        if spec is None or seq_len is None:
+        if spec is None or plan.seq_len is None:
             raise ValueError("parallel.cp: context parallelism needs a model spec and data.seq_len; use parallel.cp=1")
         method = pick_cp_method(parallel.cp_method, device.type, spec)
-        return apply_context_parallel(part, spec, mesh["cp"], device, method, seq_len)
+        return apply_context_parallel(part, spec, mesh["cp"], device, method, plan.seq_len)
 
-    after_step = _apply_float8(model, spec, dims, device, precision)
-    if dims.pp == 1:
+    after_step = _apply_float8(model, plan, device)
+    if layout.pp == 1:
         context = context_parallel(model)
-        module, loss_parallel = _parallelize(
-            model, spec, dims, mesh, device, parallel, precision, init_fn, shard, tp_styles
-        )
-        return ParallelModel(module, None, loss_parallel, context, _bind(after_step, [module]))
+        module, loss_parallel = _parallelize(model, plan, mesh, device, init_fn)
+        return ParallelModel(module, plan, mesh, None, loss_parallel, context, _bind(after_step, [module]))
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
-    n_stages = dims.pp * parallel.stages_per_rank
-    bounds = split_layers(spec.layer_costs(seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
+    n_stages = layout.pp * parallel.stages_per_rank
+    bounds = split_layers(spec.layer_costs(plan.seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
     pp_rank = mesh["pp"].get_local_rank()
-    stage_ids = stages_of_rank(pp_rank, dims.pp, n_stages, parallel.pp_schedule)
+    stage_ids = stages_of_rank(pp_rank, layout.pp, n_stages, parallel.pp_schedule)
     stages = [spec.stage(model, s, n_stages, bounds[s]) for s in stage_ids]
     contexts = [context_parallel(stage) for stage in stages]
-    parts = [_parallelize(stage, spec, dims, mesh, device, parallel, precision, init_fn)[0] for stage in stages]
+    parts = [_parallelize(stage, plan, mesh, device, init_fn, whole_model=False)[0] for stage in stages]
     pipeline = build_pipeline(
-        parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, microbatches, bounds
+        parts, stage_ids, n_stages, mesh["pp"], device, parallel.pp_schedule, plan.microbatches, bounds
     )
     shared = spec.shared_across_stages()
     if shared:
         pipeline.shared = shared_copies(parts, stage_ids, shared, n_stages, mesh, parallel.pp_schedule)
-    return ParallelModel(PipelinedModel(parts, stage_ids), pipeline, False, contexts[0], _bind(after_step, parts))
+    pipelined = PipelinedModel(parts, stage_ids)
+    return ParallelModel(pipelined, plan, mesh, pipeline, False, contexts[0], _bind(after_step, parts))

@@ -14,7 +14,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import ShardRule, fsdp_units
-from scaletrain.parallel.dims import ParallelDims, fsdp_mesh
+from scaletrain.config.layout import Layout
+from scaletrain.parallel.dims import fsdp_mesh
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
@@ -26,7 +27,7 @@ def _batch_norms(model: nn.Module) -> list[nn.Module]:
 def apply_fsdp(
     model: nn.Module,
     mesh,
-    dims: ParallelDims,
+    layout: Layout,
     dtype: str,
     reduce_dtype: str,
     reshard_after_forward: bool,
@@ -44,7 +45,7 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    dp_mesh = fsdp_mesh(dims, mesh)
+    dp_mesh = fsdp_mesh(layout, mesh)
     if dtype == MASTER_DTYPE:
         mp = MixedPrecisionPolicy()
         norms: list[nn.Module] = []
@@ -82,6 +83,6 @@ def apply_ddp(model: nn.Module, mesh, device: torch.device, bucket_cap_mb: float
     return DistributedDataParallel(model, process_group=group, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
 
 
-def uses_autocast(dims: ParallelDims, dtype: str) -> bool:
+def uses_autocast(layout: Layout, dtype: str) -> bool:
     """FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and single-rank runs use autocast."""
-    return dtype != MASTER_DTYPE and dims.mode not in ("fsdp", "hsdp")
+    return dtype != MASTER_DTYPE and not layout.mode.sharded

@@ -2,7 +2,8 @@
 
 from scaletrain.plan.advice import Budget, Fit, budget_for, compare_gpus, fits_on, smallest_setup
 from scaletrain.plan.explain import explain_alternatives, explain_top
-from scaletrain.plan.layout import Layout, Workload
+from scaletrain.config.layout import Layout
+from scaletrain.plan.layout import Workload
 from scaletrain.plan.search import PlanResult, PlanRow, SearchOptions, evaluate_layout, search_layouts
 
 __all__ = [

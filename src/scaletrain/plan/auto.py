@@ -3,21 +3,19 @@ sequence length and global batch on the ranks this command starts, applied to th
 
 The search is restricted to what the trainer runs (the user's precision, activation checkpointing or pipeline
 schedule when they set one; context parallelism for sequences of 32k tokens and more), and every candidate is checked with the trainer's own
-preflight (resolve_job) before it is chosen, so a plan that would be refused at launch is never picked.
+job resolution (resolve/job.py resolve_job) before it is chosen, so a plan that would be refused at launch is never picked.
 """
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
 from scaletrain.config import JobConfig, load_config
-from scaletrain.config.load import parse_override
+from scaletrain.config.layout import AC_MODES, Layout, given_in_config
 from scaletrain.config.schedules import SCHEDULE_NAMES
 from scaletrain.hardware.calibration import apply_calibration, load_calibration
 from scaletrain.hardware.cluster import Cluster, make_cluster
-from scaletrain.plan.layout import AC_MODES, Layout, Workload, runs_compiled
+from scaletrain.plan.layout import Workload, runs_compiled
 from scaletrain.plan.search import PlanRow, SearchOptions, search_layouts
 
 PLAN_CHOICES = ("auto",)
@@ -41,34 +39,14 @@ class AutoPlan:
         )
 
 
-def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> set[str]:
-    """Dotted keys (`precision.dtype`) the user set in the config file or on the command line."""
-    keys: set[str] = set()
-
-    def walk(tree: dict, prefix: str) -> None:
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                keys.add(f"{prefix}{k}")
-
-    if path is not None and Path(path).is_file():
-        try:
-            walk(tomllib.loads(Path(path).read_text()), "")
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
-            pass  # load_config reports it
-    for text in overrides:
-        keys.add(".".join(parse_override(text)[0]))
-    return keys
-
-
-def overruled(layout: Layout, cfg: JobConfig, given: set[str]) -> list[str]:
-    """Dotted keys the user set (`given`) to a value other than the layout's: a plan they would change."""
+def overruled(layout: Layout, cfg: JobConfig) -> list[str]:
+    """Dotted keys the user set in `cfg` (TOML or override) to a value other than the layout's: a plan they would
+    change."""
     return [
         f"{section}.{key}"
         for section, values in layout.settings().items()
         for key, value in values.items()
-        if f"{section}.{key}" in given and getattr(getattr(cfg, section), key, None) != value
+        if key in getattr(cfg, section).model_fields_set and getattr(getattr(cfg, section), key, None) != value
     ]
 
 
@@ -83,9 +61,9 @@ def local_cluster(gpu: str, nproc: int, nnodes: int, calibration: str | None = N
 def auto_plan(
     path: str | None, overrides: list[str], nproc: int, nnodes: int, gpu: str, calibration: str | None = None
 ) -> AutoPlan:
-    """The planner's fastest layout for this job that passes the trainer's preflight. ValueError: one line."""
+    """The planner's fastest layout for this job that passes job resolution (resolve_job), as the trainer's would. ValueError: one line."""
     from scaletrain.models.registry import model_spec
-    from scaletrain.train.preflight import resolve_job
+    from scaletrain.resolve import resolve_job
 
     cfg = load_config(path, overrides)
     world = nproc * nnodes
@@ -99,15 +77,14 @@ def auto_plan(
     compiled = runs_compiled(cfg.parallel.compile is True, cfg.precision.fp8, gpu)  # as the trainer will run it
     work = Workload(cfg.model.name, args, cfg.data.seq_len, cfg.train.global_batch_size, cfg.precision.fp8, compiled)
     cluster = local_cluster(gpu, nproc, nnodes, calibration)
-    given = explicit_keys(path, overrides)
     p = cfg.parallel
     # on a CPU host bf16 is no faster (the catalog's CPU entry has equal rates) and fp32 is what dtype=auto runs there
-    pinned = "precision.dtype" in given and cfg.precision.dtype != "auto"
+    pinned = given_in_config(cfg, "precision") and cfg.precision.dtype != "auto"
     precisions = (cfg.precision.dtype,) if pinned else (("fp32",) if gpu == "cpu" else ("bf16", "fp32"))
     opts = SearchOptions(
         precisions=precisions,
-        ac_modes=(p.activation_checkpoint,) if "parallel.activation_checkpoint" in given else AC_MODES,
-        schedules=(p.pp_schedule,) if "parallel.pp_schedule" in given else SCHEDULE_NAMES,
+        ac_modes=(p.activation_checkpoint,) if given_in_config(cfg, "ac") else AC_MODES,
+        schedules=(p.pp_schedule,) if given_in_config(cfg, "schedule") else SCHEDULE_NAMES,
         cp=None,  # 1, plus 2/4/8 for sequences of 32k tokens and more (parallel/context_parallel.py)
         max_micro_batch=max(16, cfg.train.micro_batch_size or 1),
         top=10_000,
@@ -115,7 +92,7 @@ def auto_plan(
     result = search_layouts(work, cluster, opts)
     for n, row in enumerate(result.rows, 1):
         # a plan the user's own settings would change is not the plan that runs
-        if overruled(row.layout, cfg, given):
+        if overruled(row.layout, cfg):
             continue
         try:
             planned = row.layout.apply(cfg)

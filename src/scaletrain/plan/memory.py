@@ -280,8 +280,8 @@ def memory_breakdown(
     args = work.args
     cols = cols if cols is not None else layout_columns(work, grid)
     e = np.asarray([p.element_bytes for p in PRECISIONS], dtype=np.float64)[grid.precision]
-    fsdp = grid.dp_shard * grid.cp > 1  # cp ranks join the FSDP shard group
-    ddp = ~fsdp & (grid.dp_replicate > 1)
+    fsdp = grid.sharded  # FSDP or HSDP (cp ranks join the shard group)
+    ddp = grid.ddp
     m = grid.accumulation
     on_gpu = cluster.gpu.name != "cpu"
 

@@ -16,7 +16,8 @@ import numpy as np
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.config.schedules import SCHEDULE_NAMES, pipeline_schedule
-from scaletrain.plan.layout import AC_MODES, Layout, LayoutGrid, Workload
+from scaletrain.config.layout import AC_MODES, Layout
+from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MEMORY_LINES, MemoryOptions, memory_breakdown, total_bytes
 from scaletrain.plan.pin import Pins
 from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code, schedule_column
@@ -156,8 +157,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
     b = np.asarray(base, dtype=np.int64)
 
     mbs = [1 << i for i in range(0, 16) if (1 << i) <= opts.max_micro_batch]
-    if opts.pins is not None and opts.pins.get("micro_batch") is not None:
-        mbs = [int(opts.pins.values["micro_batch"])]
+    if opts.pins is not None and opts.pins.micro_batch is not None:
+        mbs = [opts.pins.micro_batch]
     acs = [AC_MODES.index(a) for a in opts.ac_modes]
     precs = [PRECISION_NAMES.index(p) for p in opts.precisions]
     # compiled blocks cannot run a schedule that splits backward (config/schema.py refuses the pair)

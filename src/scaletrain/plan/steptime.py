@@ -37,7 +37,8 @@ from scaletrain.plan.efficiency import (
     pointwise_seconds,
 )
 from scaletrain.config.precisions import PRECISION_NAMES, PRECISIONS
-from scaletrain.plan.layout import AC_MODES, LayoutGrid, Workload
+from scaletrain.config.layout import AC_MODES
+from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DDP_BUCKET_CAP_BYTES
 from scaletrain.plan.pipeline import bubble_ratio, p2p_factor
 from scaletrain.plan.shapes import (
@@ -156,7 +157,7 @@ def fp8_matmul_rate(cluster: Cluster, precision, fp8: str) -> np.ndarray:
 
 def fp8_layouts(cluster: Cluster, precision, fp8: str) -> np.ndarray:
     """Which layouts run fp8 matmuls: fp8 on, bf16 compute, and a GPU with an fp8 rate in the catalog (others are
-    refused at launch, train/preflight.py)."""
+    refused at launch, resolve/checks.py)."""
     on = fp8 != "none" and bool(cluster.gpu.fp8_flops)
     return np.logical_and(on, np.asarray(precision) == PRECISION_NAMES.index("bf16"))
 
@@ -195,7 +196,7 @@ def time_breakdown(
     # autocast (bf16 or fp16 compute without FSDP, whose MixedPrecisionPolicy casts the weights itself): an fp32
     # residual stream and per-linear input casts, counted in bytes (AUTOCAST_POINTWISE_*)
     # (Megatron's GPT block keeps bf16 weights with fp32 main gradients: no autocast there)
-    autocast = (e < 4.0) & (grid.dp_shard * grid.cp == 1) & (args.block != "gpt")
+    autocast = (e < 4.0) & ~grid.sharded & (args.block != "gpt")
     # compiled blocks fuse the casts into the kernels around them: what is left is the all-bf16 block's traffic
     fused = work.compile
     autocast_ops = autocast
@@ -292,7 +293,7 @@ def time_breakdown(
     gather_bwd = gather * (cols["n_tp"] - cols["root_tp"]) / cols["n_tp"]  # the root stays gathered
     rs = per_unit("reduce_scatter", 4.0 * cols["n_tp"], shard, tp)
     hsdp_ar = per_unit("all_reduce", 4.0 * cols["n_tp"] / shard, dpr, tp * shard)
-    fsdp = shard > 1
+    fsdp = grid.sharded
     # the first gather and the last reduction wait on / for compute; the rest hides behind it as far as it can
     first_gather = gather / np.maximum(layers, 1)
     last_reduce = (rs + hsdp_ar) / np.maximum(layers, 1)
@@ -335,7 +336,7 @@ def time_breakdown(
     ) * collective_seconds("all_reduce", 0.0, dpr, tp * cp, cluster)
     tail = np.minimum(1.0, DDP_BUCKET_CAP_BYTES / (4.0 * cols["n_tp"]))
     # CPU: each bucket waits for the replicas after its share of the last backward
-    ddp = ~fsdp & (grid.dp_replicate > 1)
+    ddp = grid.ddp
     ddp_spans = crosses_nodes(dpr, tp * cp, cluster.gpus_per_node)
     bucket_gap = (compute_mb - compute_mb / 3.0) / buckets
     ddp_wait = np.where(ddp, buckets * amid_compute_seconds(bucket_gap, dpr, cluster, ddp_spans), 0.0)

@@ -13,11 +13,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.precisions import precision
 from scaletrain.parallel.data_parallel import DTYPES, uses_autocast
 from scaletrain.parallel.apply import ParallelModel
 from scaletrain.parallel.context_parallel import ContextParallel
-from scaletrain.parallel.dims import ParallelDims, dp_coordinates
+from scaletrain.parallel.dims import dp_coordinates
 from scaletrain.parallel.pipeline import Pipeline
 from scaletrain.parallel.runtime import Runtime
 
@@ -98,7 +99,7 @@ class Job:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    dims: ParallelDims
+    layout: Layout
     mesh: Any  # DeviceMesh with named dims (parallel/dims.py)
     device: torch.device
     rank: int
@@ -119,21 +120,14 @@ class Job:
 
     @classmethod
     def for_model(
-        cls,
-        model: ParallelModel,
-        optimizer: torch.optim.Optimizer,
-        dims: ParallelDims,
-        mesh: Any,
-        rt: Runtime,
-        dtype: str = "fp32",
-        grad_clip: float = 0.0,
-        loss_scale_init: float = 2.0**16,
-        loss_scale_growth_interval: int = 2000,
-        fsdp_accumulate: str = "sharded",
+        cls, model: ParallelModel, optimizer: torch.optim.Optimizer, rt: Runtime, grad_clip: float = 0.0
     ) -> Job:
-        """The Job of a model apply_parallelism laid out on `mesh`: this rank's data-parallel coordinate, the loss
-        scaler its precision needs, and how its step runs (pipeline, loss parallel) come from the layout."""
-        dp_rank, _ = dp_coordinates(dims, mesh)
+        """The Job of a model apply_parallelism laid out: this rank's data-parallel coordinate, the loss scaler its
+        precision needs (the plan's [precision] section), how its step runs (pipeline, loss parallel) and how FSDP
+        accumulates (parallel.fsdp_accumulate) come from the model's plan and mesh. grad_clip: max global L2 norm
+        of the gradients (0: no clipping)."""
+        plan = model.plan
+        dp_rank, _ = dp_coordinates(plan.layout, model.mesh)
         hook = model.after_optimizer_step
         if hook is not None:  # torch's own optimizer hook: runs after every step that updates the weights
             optimizer.register_step_post_hook(lambda optimizer, args, kwargs: hook())
@@ -141,26 +135,32 @@ class Job:
             after_weights_change=hook,
             model=model.module,
             optimizer=optimizer,
-            dims=dims,
-            mesh=mesh,
+            layout=plan.layout,
+            mesh=model.mesh,
             device=rt.device,
             rank=rt.rank,
             world_size=rt.world_size,
             dp_rank=dp_rank,
-            dtype=dtype,
+            dtype=plan.precision.dtype,
             grad_clip=grad_clip,
-            scaler=make_scaler(dims, dtype, rt.device, loss_scale_init, loss_scale_growth_interval),
+            scaler=make_scaler(
+                plan.layout,
+                plan.precision.dtype,
+                rt.device,
+                plan.precision.loss_scale_init,
+                plan.precision.loss_scale_growth_interval,
+            ),
             pipeline=model.pipeline,
             loss_parallel=model.loss_parallel,
             context=model.context,
-            fsdp_accumulate=fsdp_accumulate,
+            fsdp_accumulate=plan.parallel.fsdp_accumulate,
         )
 
     def __post_init__(self) -> None:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        self._pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         # one rank per data-parallel coordinate reports the loss: the last pipeline stage's first TP rank
-        tp_rank = self.mesh["tp"].get_local_rank() if self.dims.tp > 1 else 0
+        tp_rank = self.mesh["tp"].get_local_rank() if self.layout.tp > 1 else 0
         self.owns_loss = tp_rank == 0 and (self.pipeline is None or self.pipeline.has_last)
 
     def shard_sequence(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -169,11 +169,11 @@ class Job:
 
     @property
     def dp_size(self) -> int:
-        return self.dims.dp
+        return self.layout.dp
 
     def autocast(self):
         """Context for the forward pass: autocast to the compute dtype where FSDP does not cast itself."""
-        if uses_autocast(self.dims, self.dtype):
+        if uses_autocast(self.layout, self.dtype):
             return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
         return contextlib.nullcontext()
 
@@ -182,15 +182,15 @@ class Job:
         """Forward + backward inside this context reduce gradients across ranks only when sync is True, except
         under FSDP/HSDP with fsdp_accumulate="sharded", which reduce-scatters every micro-batch into the sharded
         gradient. Under pipeline parallelism the schedule itself holds the reduction until the last micro-batch."""
-        if self.dims.pp > 1:
+        if self.layout.pp > 1:
             yield
             return
-        model = cast(Any, self.model)  # DistributedDataParallel or an FSDPModule, by dims.mode
-        if self.dims.mode == "ddp" and not sync:
+        model = cast(Any, self.model)  # DistributedDataParallel or an FSDPModule, by layout.mode
+        if self.layout.mode is DataParallelMode.DDP and not sync:
             with model.no_sync():
                 yield
             return
-        if self.dims.mode in ("fsdp", "hsdp"):
+        if self.layout.mode.sharded:
             model.set_requires_gradient_sync(sync or self.fsdp_accumulate == "sharded")
         yield
 
@@ -233,11 +233,11 @@ class Job:
         return norm
 
 
-def make_scaler(dims: ParallelDims, dtype: str, device: torch.device, init_scale: float, growth_interval: int):
+def make_scaler(layout: Layout, dtype: str, device: torch.device, init_scale: float, growth_interval: int):
     """fp16 needs loss scaling: GradScaler, or ShardedGradScaler when gradients are sharded by FSDP."""
     if not precision(dtype).loss_scaling:
         return None
-    if dims.mode in ("fsdp", "hsdp"):
+    if layout.mode.sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type, init_scale=init_scale, growth_interval=growth_interval)

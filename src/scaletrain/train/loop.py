@@ -75,7 +75,7 @@ def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
         rt.rank,
         rt.world_size,
         {
-            "layout": trainer.dims.describe(),
+            "layout": trainer.layout.describe_mesh(),
             "world_size": rt.world_size,
             "model": cfg.model.name,
             "model_spec": trainer.spec.manifest(),
@@ -133,7 +133,7 @@ class _Outputs:
             trainer.spec.flops_per_token(cfg.data.seq_len),
             cfg.precision.dtype,
             start_step,
-            trainer.dims.describe(),
+            trainer.layout.describe_mesh(),
             pipeline_stages=trainer.model.stages or None,
             pp_bubble=pipeline.bubble if pipeline is not None else None,
         )
@@ -249,12 +249,12 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         cfg.model.name,
         rt.world_size,
         rt.device.type,
-        trainer.dims.describe(),
+        trainer.layout.describe_mesh(),
         trainer.spec.num_params() / 1e6,
         cfg.train.steps,
         cfg.train.global_batch_size,
         cfg.data.seq_len,
-        trainer.resolved.accumulation,
+        trainer.layout.accumulation,
         cfg.precision.dtype + (f" + fp8 {cfg.precision.fp8}" if cfg.precision.fp8 != "none" else ""),
         compile_mode,
     )
@@ -330,7 +330,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         "elapsed_s": elapsed,
         "tokens_per_s": cfg.train.steps * trainer.tokens_per_step / elapsed,
         "world_size": rt.world_size,
-        "layout": trainer.dims.describe(),
+        "layout": trainer.layout.describe_mesh(),
         "device": rt.device.type,
         "params": trainer.spec.num_params(),
     }

@@ -35,7 +35,7 @@ class SetupJob(Job):
         root = Path(folder).resolve()
         if root not in self._managers:
             info: dict[str, Any] = {
-                "layout": self.dims.describe(),
+                "layout": self.layout.describe_mesh(),
                 "world_size": self.world_size,
                 "saved_by": SAVED_BY,
                 "model_class": type(self.model).__name__,

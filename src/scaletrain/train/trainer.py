@@ -6,7 +6,7 @@ Loss normalisation: each optimizer step sees B·S target tokens in all. A rank's
 loss × (data-parallel degree / (B·S)), so the data-parallel gradient average yields exactly the gradient of the mean
 over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process. Under context
 parallelism the gradient reduction also averages over the cp ranks (each holding a cp-th of every sequence), so the
-scale counts them too (ParallelDims.grad_average).
+scale counts them too (Layout.grad_average).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
 from scaletrain.data import DistributedLoader
 from scaletrain.data import build_loaders as build_data_loaders
@@ -23,8 +24,8 @@ from scaletrain.models.spec import ModelSpec
 from scaletrain.monitor import log
 from scaletrain.monitor.timing import NULL_TIMER
 from scaletrain.parallel import (
-    ParallelDims,
     ParallelModel,
+    ParallelPlan,
     Runtime,
     apply_parallelism,
     build_mesh,
@@ -34,7 +35,7 @@ from scaletrain.parallel import (
 from scaletrain.train.job import Job
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.fingerprint import check_same_job
-from scaletrain.train.preflight import ResolvedJob, resolve_job, settle_device_defaults
+from scaletrain.resolve import ResolvedJob, resolve_job, settle_device_defaults
 from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
 
 
@@ -52,18 +53,8 @@ class StepResult:
 def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> ParallelModel:
     """The job's model from its spec, built on meta and laid out for the mesh (weights filled by name)."""
     spec = resolved.spec
-    return apply_parallelism(
-        spec.build("meta"),
-        resolved.dims,
-        mesh,
-        rt.device,
-        cfg.parallel,
-        cfg.precision,
-        spec=spec,
-        init_fn=lambda m: spec.init_weights(m, cfg.run.seed),
-        microbatches=resolved.accumulation,
-        seq_len=cfg.data.seq_len,
-    )
+    plan = ParallelPlan(resolved.layout, cfg.parallel, cfg.precision, spec, seq_len=cfg.data.seq_len)
+    return apply_parallelism(spec.build("meta"), plan, mesh, rt.device, lambda m: spec.init_weights(m, cfg.run.seed))
 
 
 def build_loaders(
@@ -72,7 +63,8 @@ def build_loaders(
     """(training loader, validation loader) of this data-parallel rank. Token ids need no check here: `resolved`
     comes from resolve_job, which checked every dataset against the vocabulary."""
     gb, seed = cfg.train.global_batch_size, cfg.run.seed
-    return build_data_loaders(cfg.data, resolved.spec.vocab_size, seed, gb, resolved.micro_batch, dp_rank, dp_size)
+    micro = resolved.layout.micro_batch
+    return build_data_loaders(cfg.data, resolved.spec.vocab_size, seed, gb, micro, dp_rank, dp_size)
 
 
 @dataclass
@@ -97,22 +89,10 @@ class Trainer:
             rt = init_distributed(device_type, cfg.launch.collective_timeout_s, cfg.launch.rdzv_endpoint)
         check_same_job(cfg, cfg.launch.collective_timeout_s)  # every node runs this job: before any collective
         resolved = resolve_job(cfg, rt.world_size)
-        dims = resolved.dims
-        mesh = build_mesh(dims, device_type)
+        mesh = build_mesh(resolved.layout, device_type)
         model = build_model(cfg, resolved, mesh, rt)
         optimizer = build_optimizer(model.module, cfg.train)
-        job = Job.for_model(
-            model,
-            optimizer,
-            dims,
-            mesh,
-            rt,
-            cfg.precision.dtype,
-            cfg.train.grad_clip,
-            cfg.precision.loss_scale_init,
-            cfg.precision.loss_scale_growth_interval,
-            cfg.parallel.fsdp_accumulate,
-        )
+        job = Job.for_model(model, optimizer, rt, cfg.train.grad_clip)
         loader, val_loader = build_loaders(cfg, resolved, job.dp_rank, job.dp_size)
         return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
 
@@ -121,8 +101,8 @@ class Trainer:
         return self.resolved.spec
 
     @property
-    def dims(self) -> ParallelDims:
-        return self.resolved.dims
+    def layout(self) -> Layout:
+        return self.resolved.layout
 
     @property
     def tokens_per_step(self) -> int:
@@ -145,7 +125,7 @@ class Trainer:
         with timer.phase("data"):
             micro_batches = self.loader.next_step()
         beat(step, "forward/backward")
-        scale = self.dims.grad_average / self.tokens_per_step  # dp (x cp): the ranks gradients average over
+        scale = self.layout.grad_average / self.tokens_per_step  # dp (x cp): the ranks gradients average over
         loss_sum = forward_backward(self.job, micro_batches, scale, timer=timer)
         policy = self.cfg.train.nan_policy
         beat(step, "optimizer")

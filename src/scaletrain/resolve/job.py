@@ -1,0 +1,72 @@
+"""Job resolution: a config checked against a world size, before any rank starts, into the model spec and the
+Layout the trainer runs. The command line, the launchers, the planner's `--plan auto` and the trainer all resolve a
+job here, so what is refused at launch is exactly what would fail in the ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from scaletrain.config.layout import Layout
+from scaletrain.config.schema import JobConfig
+from scaletrain.models.registry import model_spec
+from scaletrain.models.spec import ModelSpec
+from scaletrain.resolve.checks import check_hf_init, check_layout, check_stream_tokens, pipeline_microbatches
+from scaletrain.resolve.device import settle_device_defaults
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A job checked against a world size: the model's spec and the Layout it runs (degrees, micro-batch x
+    accumulation per data-parallel rank, activation checkpointing, compute dtype, pipeline schedule)."""
+
+    spec: ModelSpec
+    layout: Layout
+
+
+def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
+    """Check the config against a world size; raise ValueError whose message names the field and the fix.
+    precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
+    cfg = settle_device_defaults(cfg)
+    spec = model_spec(cfg.model)
+    if cfg.data.source in ("stdlib", "auto") and not cfg.data.path and not cfg.data.mix and spec.vocab_size < 256:
+        raise ValueError(
+            f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {spec.vocab_size}"
+        )
+    if cfg.data.seq_len > spec.max_seq_len:
+        raise ValueError(
+            f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
+            f"lower data.seq_len or raise model.max_seq_len"
+        )
+    if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
+        raise ValueError(
+            f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
+            f"Hugging Face model folder with *.safetensors and config.json"
+        )
+    if cfg.checkpoint.init_from_hf:
+        check_hf_init(Path(cfg.checkpoint.init_from_hf), spec)
+    degrees = Layout.from_degrees(cfg.parallel, world_size)
+    gb, dp = cfg.train.global_batch_size, degrees.dp
+    if gb % dp:
+        raise ValueError(f"train.global_batch_size: {gb} is not divisible by the data-parallel degree {dp}")
+    micro = cfg.train.micro_batch_size or gb // dp
+    if gb % (micro * dp):
+        raise ValueError(
+            f"train.micro_batch_size: {gb} sequences per step do not split into micro-batches of "
+            f"{micro} on {dp} data-parallel ranks; pick a divisor of {gb // dp}"
+        )
+    check_layout(cfg, spec, degrees)
+    piped = degrees.pp > 1
+    if piped:
+        micro = gb // dp // pipeline_microbatches(cfg, degrees)
+    check_stream_tokens(cfg, spec.vocab_size)
+    layout = replace(
+        degrees,
+        micro_batch=micro,
+        accumulation=gb // (micro * dp),
+        ac=cfg.parallel.activation_checkpoint,
+        precision=str(cfg.precision.dtype),
+        schedule=cfg.parallel.pp_schedule if piped else "none",
+        virtual_stages=cfg.parallel.stages_per_rank if piped else 1,
+    )
+    return ResolvedJob(spec=spec, layout=layout)
