@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.config.precisions import precision, resolve_dtype
 from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.config.schema import JobConfig
-from scaletrain.data.checks import check_data, token_id_range  # noqa: F401  (token_id_range: moved there)
+from scaletrain.data.checks import token_id_range  # noqa: F401  (token_id_range: moved there)
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.dims import ParallelDims
 from scaletrain.parallel.rank_env import under_external_launcher  # noqa: F401  (the command asks preflight)
+from scaletrain.tasks import task_for
 
 
 @dataclass(frozen=True)
@@ -23,16 +23,6 @@ class ResolvedJob:
     dims: ParallelDims
     micro_batch: int
     accumulation: int
-
-
-def _stream_tokens(cfg: JobConfig, vocab_size: int) -> None:
-    """Every dataset opens, holds only ids the model can embed, passes its size (and checksum) checks and has at
-    least one global batch and a validation sample (data/checks.py)."""
-    if cfg.data.source == "stdlib" or (cfg.data.source == "auto" and not cfg.data.path and not cfg.data.mix):
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        if not stdlib.is_dir():
-            raise ValueError(f"data.source: this Python's stdlib folder {stdlib} is missing; use data.source=synthetic")
-    check_data(cfg.data, vocab_size, cfg.train.global_batch_size, cfg.run.seed)
 
 
 def settle_device_defaults(cfg: JobConfig, device_type: str | None = None) -> JobConfig:
@@ -87,15 +77,8 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
     cfg = settle_device_defaults(cfg)
     spec = model_spec(cfg.model)
-    if cfg.data.source in ("stdlib", "auto") and not cfg.data.path and not cfg.data.mix and spec.vocab_size < 256:
-        raise ValueError(
-            f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {spec.vocab_size}"
-        )
-    if cfg.data.seq_len > spec.max_seq_len:
-        raise ValueError(
-            f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
-            f"lower data.seq_len or raise model.max_seq_len"
-        )
+    task = task_for(cfg.task)
+    task.check(cfg, spec)
     if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
         raise ValueError(
             f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
@@ -116,7 +99,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     check_layout(cfg, spec, dims)
     if dims.pp > 1:
         micro = gb // dims.dp // pipeline_microbatches(cfg, dims)
-    _stream_tokens(cfg, spec.vocab_size)
+    task.check_data(cfg, spec)
     return ResolvedJob(spec=spec, dims=dims, micro_batch=micro, accumulation=gb // (micro * dims.dp))
 
 
