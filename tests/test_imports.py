@@ -105,6 +105,7 @@ def test_packages_follow_the_layering():
     assert bad("config", set()) == []
     assert bad("models", {"config"}) == []
     assert bad("parallel", {"config", "models", "scaletrain.exit_codes"}) == []
+    assert bad("tasks", {"config", "models", "data"}) == []  # below train: the trainer calls a task, never the reverse
     assert [
         (m, t) for m, t in edges(graph, "launch") if package_of(t) == "train" and t != "scaletrain.train.worker"
     ] == []
