@@ -152,9 +152,9 @@ class Pipeline:
         self._losses.append(loss.detach())
         return loss * self.loss_scale
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
+    def _run(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool) -> torch.Tensor:
         self._losses = []
-        args = (inputs,) if self.has_first else ()
+        args = inputs if self.has_first else ()
         target = targets if self.has_last else None
         if train:
             self.schedule.step(*args, target=target, losses=[] if self.has_last else None, return_outputs=False)
@@ -162,18 +162,20 @@ class Pipeline:
             with _forward_only_actions(self.schedule, self.schedule_name):
                 self.schedule.eval(*args, target=target, losses=[] if self.has_last else None)
         if not self.has_last:
-            return torch.zeros((), device=inputs.device)
+            return torch.zeros((), device=targets.device)
         # the first step also runs the loss once on shape-inference tensors: keep the micro-batches' own
         return torch.stack(self._losses[-self.n_microbatches :]).sum()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float, loss_sum: LossSum) -> torch.Tensor:
+    def step(
+        self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_scale: float, loss_sum: LossSum
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
-        inputs/targets: (b, ...) of this data-parallel rank, split into n_microbatches; loss_sum(outputs, targets):
-        the task's loss of one micro-batch, run on the last stage."""
+        inputs (the first stage's arguments) and targets: (b, ...) of this data-parallel rank, split into
+        n_microbatches; loss_sum(outputs, targets): the task's loss of one micro-batch, run on the last stage."""
         self.loss_scale, self.loss_sum = loss_scale, loss_sum
         return self._run(inputs, targets, train=True)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor, loss_sum: LossSum) -> torch.Tensor:
+    def evaluate(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_sum: LossSum) -> torch.Tensor:
         """Forward only; summed loss on the last stage, 0 elsewhere."""
         self.loss_scale, self.loss_sum = 1.0, loss_sum
         return self._run(inputs, targets, train=False)

@@ -70,8 +70,9 @@ class Task(ABC):
         `consumed_samples` settable (evaluation rewinds the validation loader), `close()`."""
 
     @abstractmethod
-    def inputs(self, batch: Any) -> torch.Tensor:
-        """What the model's forward takes, (B, ...) on the host."""
+    def inputs(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What the model's forward takes, (B, ...) on the host: one tensor, or a tuple of the forward's positional
+        arguments (e.g. token ids and positions, or pixels and token ids)."""
 
     @abstractmethod
     def targets(self, batch: Any) -> torch.Tensor:

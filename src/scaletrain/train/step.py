@@ -62,22 +62,29 @@ def _shard(job: Job, task: Task, tensor: torch.Tensor) -> torch.Tensor:
     return job.shard_sequence(tensor) if task.sequences else tensor
 
 
+def _inputs(task: Task, batch: Any) -> tuple[torch.Tensor, ...]:
+    inputs = task.inputs(batch)
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
 def loss_sum(job: Job, task: Task, batch: Any) -> torch.Tensor:
     """The task's summed loss of one micro-batch through the model (forward under autocast; loss in fp32)."""
-    inputs, targets = _shard(job, task, task.inputs(batch)), _shard(job, task, task.targets(batch))
+    inputs = [_shard(job, task, x).to(job.device, non_blocking=True) for x in _inputs(task, batch)]
     with job.autocast():
-        outputs = job.model(inputs.to(job.device, non_blocking=True))
-    return task.loss_sum(outputs, targets.to(job.device))
+        outputs = job.model(*inputs)
+    return task.loss_sum(outputs, _shard(job, task, task.targets(batch)).to(job.device))
 
 
 def _owned(job: Job, loss: torch.Tensor) -> torch.Tensor:
     return loss if job.owns_loss else torch.zeros_like(loss)
 
 
-def _whole(micro_batches: list, job: Job, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs = torch.cat([task.inputs(mb) for mb in micro_batches]).to(job.device)
+def _whole(micro_batches: list, job: Job, task: Task) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The rank's micro-batches as one batch (the pipeline schedule splits it again): (model inputs, targets)."""
+    columns = zip(*(_inputs(task, mb) for mb in micro_batches), strict=True)
+    inputs = tuple(_shard(job, task, torch.cat(col).to(job.device)) for col in columns)
     targets = torch.cat([task.targets(mb) for mb in micro_batches]).to(job.device)
-    return _shard(job, task, inputs), _shard(job, task, targets)
+    return inputs, _shard(job, task, targets)
 
 
 def forward_backward(
