@@ -32,7 +32,7 @@ from scaletrain.train import Trainer
 def saved_activation_bytes(trainer) -> int:
     """Bytes of distinct storages autograd saves during one forward + loss of the next micro-batch, without the
     parameters (FSDP's gathered ones included: they are the module's parameters while it runs)."""
-    from scaletrain.train.step import token_loss_sum
+    from scaletrain.train.step import loss_sum
 
     model, job = trainer.model.module, trainer.job
     seen: dict[int, int] = {}
@@ -46,7 +46,7 @@ def saved_activation_bytes(trainer) -> int:
 
     mb = trainer.loader.next_step()[0]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = token_loss_sum(job, mb.inputs, mb.targets)
+        loss = loss_sum(job, trainer.task, mb)
     del loss
     return sum(seen.values())
 
@@ -63,7 +63,8 @@ def run_job(
         probe = CompileProbe(trainer.cfg.train.steps, 0, compile_s=0.0) if compile_probe else None
         fit_loop(trainer, compile_probe=probe)
         return
-    losses = [trainer.mean_loss(trainer.train_step(step).loss_sum) for step in range(1, trainer.cfg.train.steps + 1)]
+    results = (trainer.train_step(step) for step in range(1, trainer.cfg.train.steps + 1))
+    losses = [trainer.mean_loss(r.loss_sum, r.count) for r in results]
     state = full_state_dict(trainer.model.module)  # a collective: every rank
     out.mkdir(parents=True, exist_ok=True)
     tp_rank = trainer.mesh["tp"].get_local_rank() if trainer.layout.tp > 1 else 0

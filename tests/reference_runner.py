@@ -36,7 +36,11 @@ def run_job(overrides: list[str], out: Path, rt) -> None:
     for step in range(1, trainer.cfg.train.steps + 1):
         result = trainer.train_step(step)
         steps.append(
-            {"loss": trainer.mean_loss(result.loss_sum), "lr": result.lr, "grad_norm": float(result.grad_norm)}
+            {
+                "loss": trainer.mean_loss(result.loss_sum, result.count),
+                "lr": result.lr,
+                "grad_norm": float(result.grad_norm),
+            }
         )
     trainer.loader.close()
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,10 @@ BAD = [
     (["model.name=gpt-9"], "model.name"),  # unknown model
     (["model.n_heads=3"], "model.dim"),  # heads do not divide the hidden size
     (["model.vocab_size=100"], "model.vocab_size"),  # too small for byte tokens
+    (["model.dim=abc"], "model.dim"),  # the family's field, strictly typed
+    (["model.hf=x", "model.dim=64"], "model.dim"),  # model.hf takes its shape from config.json
+    (["task.name=nope"], "task.name"),  # unknown task
+    (["task.bogus=1"], "task.bogus"),  # causal-lm has no options
     (["parallel.dp_replicate=3"], "parallel"),  # dp degree does not divide world size 2
     (["parallel.dp_shard=4"], "parallel"),  # degrees multiply to 4, world is 2
     (["train.global_batch_size=15"], "train.global_batch_size"),  # not divisible by dp=2

@@ -34,7 +34,7 @@ def test_file_then_overrides(tmp_path):
     "override, field",
     [
         ("train.lr=-1", "train.lr"),
-        ("model.bogus=1", "model.bogus"),
+        ("run.bogus=1", "run.bogus"),  # [model] and [task] keys are their family's / task's: test_model.py
         ("train.steps=ten", "train.steps"),
         ("train.steps=1.5", "train.steps"),
         ("nosuch.key=1", "nosuch"),

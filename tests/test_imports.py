@@ -106,7 +106,7 @@ def test_packages_follow_the_layering():
     assert bad("models", {"config"}) == []
     assert bad("parallel", {"config", "models", "scaletrain.exit_codes"}) == []
     # job resolution sits below the trainer, the planner and the command line, which import it from there
-    assert bad("resolve", {"config", "models", "data", "parallel"}) == []
+    assert bad("resolve", {"config", "models", "data", "parallel", "tasks"}) == []
     assert sorted({package_of(m) for m, ts in graph.items() for t in ts if package_of(t) == "resolve"}) == [
         "cli",
         "plan",
@@ -114,6 +114,7 @@ def test_packages_follow_the_layering():
         "train",
     ]
     assert bad("plan", {"config", "hardware", "models", "resolve"}) == []  # the planner never imports the trainer
+    assert bad("tasks", {"config", "models", "data"}) == []  # below train: the trainer calls a task, never the reverse
     assert [
         (m, t) for m, t in edges(graph, "launch") if package_of(t) == "train" and t != "scaletrain.train.worker"
     ] == []

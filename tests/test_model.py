@@ -57,11 +57,25 @@ def test_init_depends_only_on_seed_and_name():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ({"name": "gpt-9"}, "model.name"),
-        ({"name": "tiny", "n_heads": 3}, "model.dim"),
-        ({"name": "tiny", "n_kv_heads": 3}, "model.n_kv_heads"),
+        ({"name": "gpt-9"}, "model.name: unknown model 'gpt-9'; choose one of tiny, "),
+        ({"name": "tiny", "n_heads": 3}, "model.dim: 128 is not divisible by model.n_heads=3"),
+        ({"name": "tiny", "n_kv_heads": 3}, "model.n_kv_heads: 3 does not divide model.n_heads=4"),
+        # the [model] keys are the family's own fields, checked strictly by it
+        ({"bogus": 1}, "model.bogus: the llama family has no such field; it has dim, ffn_dim, max_seq_len, "),
+        ({"dim": "64"}, "model.dim: input should be a valid integer (got '64')"),
+        ({"dim": 1.5}, "model.dim: input should be a valid integer (got 1.5)"),
+        ({"dim": 0}, "model.dim: input should be greater than 0 (got 0)"),
+        ({"rope_theta": True}, "model.rope_theta: input should be a valid number (got True)"),
+        ({"block": "gpt"}, "model.block: the llama family has no such field"),  # the planner's, not a key
+        ({"hf": 3}, "model.hf: give a local Hugging Face model folder (got 3)"),
     ],
 )
 def test_bad_shapes_name_the_field(override, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as e:
         model_spec(ModelConfig(**override))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_preset_takes_any_field_of_its_family():
+    spec = model_spec(ModelConfig(name="tiny", rope_theta=500000, n_layers=2))
+    assert (spec.args.rope_theta, spec.args.n_layers, spec.args.dim) == (500000.0, 2, 128)

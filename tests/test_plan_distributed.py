@@ -108,6 +108,7 @@ def _offload_run(rank: int, world: int, offload: bool) -> dict:
     from scaletrain.parallel.dims import build_mesh
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
+    from scaletrain.tasks.causal_lm import CausalLM
     from scaletrain.train.step import forward_backward, sum_over_ranks
 
     spec = _spec(256)
@@ -119,7 +120,7 @@ def _offload_run(rank: int, world: int, offload: bool) -> dict:
               world_size=world, dp_rank=rank, dtype="fp32")  # fmt: skip
     losses = []
     for step in range(OFFLOAD_STEPS):
-        loss = forward_backward(job, _batches(256, 2, 1000 * step + rank), 1.0 / (2 * SEQ * world))
+        loss = forward_backward(job, CausalLM(), _batches(256, 2, 1000 * step + rank), 1.0 / (2 * SEQ * world))
         job.step()
         losses.append(sum_over_ranks(loss) / (2 * SEQ * world))
     policies = [type(g.offload_policy).__name__ for st in _fsdp_states(pm.module) for g in st._fsdp_param_groups]
@@ -147,6 +148,7 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
     from scaletrain.parallel.dims import build_mesh
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
+    from scaletrain.tasks.causal_lm import CausalLM
     from scaletrain.train.step import forward_backward
 
     torch.set_num_threads(1)
@@ -193,7 +195,9 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
                 for stage in pm.pipeline.stages:
                     reduce = stage.perform_reduce_grad
                     stage.perform_reduce_grad = lambda f, reduce=reduce: (measure(), reduce(f))[1]
-            forward_backward(job, _batches(vocab, ACCUMULATION, 0), 1.0 / (ACCUMULATION * SEQ), after_backward=measure)
+            forward_backward(
+                job, CausalLM(), _batches(vocab, ACCUMULATION, 0), 1.0 / (ACCUMULATION * SEQ), after_backward=measure
+            )
             measure()
             job.step()  # creates the optimizer states, then frees the gradients
             params = sum(_local_bytes(p) for p in model.parameters())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -45,19 +45,32 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    name: str = Field("tiny", description="built-in preset: see `scaletrain models`")
-    hf: str | None = Field(
-        None,
-        description="local Hugging Face model folder (config.json, optional *.safetensors weights to start from): "
-        "trains transformers' own model of that architecture instead of the preset",
-    )
-    dim: int | None = Field(None, gt=0, le=MAX_MODEL_DIM, description="override the preset's hidden size")
-    n_layers: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
-    n_heads: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
-    n_kv_heads: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
-    ffn_dim: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
-    vocab_size: int | None = Field(None, gt=0, le=MAX_MODEL_DIM)
-    max_seq_len: int | None = Field(None, gt=0, le=MAX_TOKENS_PER_SEQUENCE)
+    """`[model]`: `name` picks a preset, whose family owns every other key (its args dataclass: e.g. the built-in
+    Llama's dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, max_seq_len, rope_theta, norm_eps); a family
+    chosen by a key of its own instead of a preset (model.hf = FOLDER: a Hugging Face model folder) reads that key.
+    The family found checks the keys strictly, one line naming the key (models/registry.py model_spec), before
+    any rank starts."""
+
+    model_config = ConfigDict(extra="allow")  # the family's own keys, typed and checked by the family
+
+    name: str = Field("tiny", description="preset: see `scaletrain models`")
+
+    def family_keys(self) -> dict[str, Any]:
+        """Every key of the section but `name`, as written."""
+        return dict(self.model_extra or {})
+
+
+class TaskConfig(Section):
+    """`[task]`: what the job trains the model to do (scaletrain/tasks/: its batch, loss, normalisation, metrics and
+    evaluation); any other key is an option of that task, checked by it (tasks/registry.py task_for)."""
+
+    model_config = ConfigDict(extra="allow")  # the task's own options, typed and checked by the task
+
+    name: str = Field("causal-lm", min_length=1, description="task: causal-lm (next-token prediction)")
+
+    def options(self) -> dict[str, Any]:
+        """Every key of the section but `name`, as written."""
+        return dict(self.model_extra or {})
 
 
 DATA_SOURCES = ("auto", "stdlib", "tokens", "prepared", "megatron", "synthetic")
@@ -462,6 +475,7 @@ class LaunchConfig(Section):
 class JobConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

@@ -283,7 +283,7 @@ def tiny_model_step(device: str = "cpu", batch: int = 1, seq: int = 8):
     spec = preset_spec("tiny")
     model = spec.build("meta").to_empty(device=device)
     spec.init_weights(model, seed=0)
-    tokens = torch.randint(0, spec.vocab_size, (batch, seq), device=device)
+    tokens = torch.randint(0, spec.args.vocab_size, (batch, seq), device=device)
 
     def step() -> None:
         logits = model(tokens)

@@ -82,17 +82,18 @@ def preset_spec(name: str) -> ModelSpec:
 
 
 def model_spec(cfg) -> ModelSpec:
-    """The spec for a job's `model` section: the Hugging Face folder cfg.hf (the `hf` family), else the preset
-    named by cfg.name with cfg's shape overrides applied; ValueError names the bad field."""
-    overrides = {k: v for k, v in cfg.model_dump().items() if k not in ("name", "hf") and v is not None}
-    if getattr(cfg, "hf", None):
-        hf = families()["hf"]
-        if overrides:
-            key = sorted(overrides)[0]
-            raise ValueError(f"model.{key}: the shape comes from model.hf's config.json; remove model.{key}")
-        return hf.from_folder(cfg.hf)  # type: ignore[attr-defined]
+    """The spec for a job's `[model]` section (config/schema.py ModelConfig): the family whose `selected_by` key is
+    set (e.g. model.hf = FOLDER) reads the section itself, else the preset cfg.name's family applies the other keys
+    to it, each checked strictly against the family's own fields; ValueError (one line) names the bad key."""
+    keys = cfg.family_keys()
+    by_key = {cls.selected_by: cls for cls in families().values() if cls.selected_by}
+    chosen = [key for key in keys if key in by_key]
+    if len(chosen) > 1:
+        raise ValueError(f"model.{chosen[1]}: model.{chosen[0]} already chooses the model; set only one of them")
+    if chosen:
+        return by_key[chosen[0]].from_section(keys, None)
     base = preset_spec(cfg.name)
-    return type(base).from_overrides(base.args, overrides)
+    return type(base).from_section(keys, base.args)
 
 
 def spec_from_manifest(entry: dict) -> ModelSpec:

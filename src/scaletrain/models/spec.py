@@ -10,7 +10,10 @@ A family is one folder under `models/` whose package exports `SPEC` (a ModelSpec
 - how to cut a pipeline stage (`stage`) and the training cost of each block (`layer_costs`) to balance the cut;
 - its tensor-parallel plan (`tp_plan`) and what tensor parallelism needs to divide (`check_tp`);
 - whether its attention can be split over a sequence (`supports_cp`) and the hook that does it (`context_parallel`);
-- FLOPs per token, parameter count, the decoder shape the planner models (`shape`);
+- FLOPs per token, parameter count, the decoder shape the planner models (`shape`; None for a model the planner
+  cannot model); a vocabulary and a context length only where the model has them (a task asks: tasks/);
+- its `[model]` keys: the fields of its args dataclass, checked strictly (`from_section`); a family chosen by a key
+  of its own rather than by a preset names that key (`selected_by`);
 - its manifest entry (`manifest`), so a checkpoint rebuilds the model without the job config;
 - a Hugging Face state adapter (`hf`), when the family has a transformers counterpart.
 """
@@ -22,8 +25,11 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
+from pydantic import Field
+
+from scaletrain.config.schema import MAX_MODEL_DIM, MAX_TOKENS_PER_SEQUENCE
 from scaletrain.models.naming import plain_param_name
 
 if TYPE_CHECKING:
@@ -35,23 +41,27 @@ if TYPE_CHECKING:
 
 LOSS_CHUNK_TOKENS = 1024  # tokens per cross-entropy chunk (models/loss.py); the planner counts one chunk
 
+# a count of units (a `[model]` key: the family checks it strictly, config/fields.py)
+ModelDim = Annotated[int, Field(gt=0, le=MAX_MODEL_DIM)]
+SeqLen = Annotated[int, Field(gt=0, le=MAX_TOKENS_PER_SEQUENCE)]
+
 
 @dataclass(frozen=True)
 class DecoderShape:
     """The shape of a decoder-only transformer as the planner counts it (untied input and output embeddings)."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    max_seq_len: int
+    dim: ModelDim
+    n_layers: ModelDim
+    n_heads: ModelDim
+    n_kv_heads: ModelDim
+    ffn_dim: ModelDim
+    vocab_size: ModelDim
+    max_seq_len: SeqLen
     # "llama": RMSNorm, GQA attention (SDPA/flash), SwiGLU MLP, no biases (the built-in model);
     # "gpt": Megatron's GPT block (Korthikanti et al. 2022): LayerNorm, multi-head attention with the scores
     # materialised (softmax, dropout), GELU MLP, biases everywhere; the planner models it to check itself against
-    # published Megatron-LM runs
-    block: str = "llama"
+    # published Megatron-LM runs. Not a `[model]` key: a family builds its own block
+    block: str = dataclasses.field(default="llama", metadata={"config": False})
 
     @property
     def head_dim(self) -> int:
@@ -112,22 +122,31 @@ class ModelSpec(ABC):
 
     family: ClassVar[str]
     args_type: ClassVar[type]
+    # the `[model]` key that chooses this family by itself, its value where the model comes from (e.g. "hf":
+    # model.hf = FOLDER); None: the family is chosen by a preset's name (model.name)
+    selected_by: ClassVar[str | None] = None
 
     def __init__(self, args: Any):
         self.args = args
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
+    def from_section(cls, keys: dict[str, Any], preset: Any | None) -> ModelSpec:
+        """This family's spec from the `[model]` keys other than `name` (`preset`: the args model.name picked; None
+        when the family was chosen by its `selected_by` key, which is in `keys`). By default every key is a field
+        of the args dataclass, checked strictly; ValueError (one line) names the key."""
+        if preset is None:
+            raise NotImplementedError(f"the {cls.family} family is chosen by model.{cls.selected_by}: read it here")
+        return cls.from_overrides(preset, keys)
+
+    @classmethod
     def from_overrides(cls, args: Any, overrides: dict[str, Any]) -> ModelSpec:
         """This family's spec for `args` with `model.*` overrides applied; ValueError names a field the family
-        does not have or a shape it cannot build."""
-        known = {f.name for f in dataclasses.fields(args)}
-        for key in overrides:
-            if key not in known:
-                raise ValueError(
-                    f"model.{key}: the {cls.family} family has no such field; it has {', '.join(sorted(known))}"
-                )
-        spec = cls(dataclasses.replace(args, **overrides))
+        does not have, a value of the wrong type or a shape it cannot build."""
+        from scaletrain.config.fields import check_fields
+
+        checked = check_fields("model", f"{cls.family} family", type(args), overrides)
+        spec = cls(dataclasses.replace(args, **checked))
         spec.check()
         return spec
 
@@ -162,13 +181,15 @@ class ModelSpec(ABC):
 
     @abstractmethod
     def has_output(self, model: nn.Module) -> bool:
-        """Does this module (the model or a stage of it) compute the logits?"""
+        """Does this module (the model or a stage of it) compute the model's output (the logits of an LM)?"""
 
     def layer_costs(self, seq_len: int) -> list[float]:
-        """Training FLOPs per token of each block, embedding on the first, head + loss on the last."""
+        """Training FLOPs per token of each block, embedding on the first, head + loss on the last; without a
+        decoder shape, equal costs (the pipeline cut then balances block counts)."""
         from scaletrain.models.stages import layer_costs
 
-        return layer_costs(self._shape(), seq_len)
+        shape = self.shape()
+        return layer_costs(shape, seq_len) if shape is not None else [1.0] * self.n_blocks
 
     def check_pp(self, pp: int) -> None:
         """ValueError (one line) when this family cannot be cut into pipeline stages."""
@@ -202,8 +223,8 @@ class ModelSpec(ABC):
 
     # -- numbers --------------------------------------------------------------------------------------------
     def shape(self) -> DecoderShape | None:
-        """The decoder shape the planner models for this model; None for a family the planner cannot model
-        (which then answers the numbers below itself)."""
+        """The decoder shape the planner models for this model; None for a model the planner cannot model (which
+        then answers the numbers below itself, or leaves them unanswered)."""
         return None
 
     def _shape(self) -> DecoderShape:
@@ -214,18 +235,27 @@ class ModelSpec(ABC):
 
     @property
     def n_blocks(self) -> int:
-        return self._shape().n_layers
+        """Repeated blocks (the unit of FSDP, activation checkpointing, compile and the pipeline cut)."""
+        shape = self.shape()
+        return shape.n_layers if shape is not None else len(self.blocks(self.build("meta")))
 
     @property
-    def vocab_size(self) -> int:
-        return self._shape().vocab_size
+    def vocab_size(self) -> int | None:
+        """Token ids the model embeds; None for a model that takes no token ids (a task that feeds tokens asks)."""
+        shape = self.shape()
+        return shape.vocab_size if shape is not None else None
 
     @property
-    def max_seq_len(self) -> int:
-        return self._shape().max_seq_len
+    def max_seq_len(self) -> int | None:
+        """Longest sequence the model takes; None where it has no such bound or takes no sequences."""
+        shape = self.shape()
+        return shape.max_seq_len if shape is not None else None
 
     def num_params(self) -> int:
-        return self._shape().num_params()
+        shape = self.shape()
+        if shape is not None:
+            return shape.num_params()
+        return sum(p.numel() for p in self.build("meta").parameters())
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (the MFU numerator)."""
@@ -286,12 +316,13 @@ def prune_stage(model: nn.Module, blocks: str, bounds: tuple[int, int], drop: tu
     return part
 
 
-def check_tp_divides(tp: int, **sizes: int) -> None:
+def check_tp_divides(tp: int, where: str = "model.", **sizes: int) -> None:
     """ValueError (one line, naming the field) when tp does not divide one of the model's `sizes` (heads,
-    matmul dims, vocabulary): each rank needs a whole share."""
+    matmul dims, vocabulary): each rank needs a whole share. `where`: what the field names start with, as the user
+    wrote them (the job config's `model.`, or a config file's)."""
     for field, value in sizes.items():
         if value % tp:
             raise ValueError(
-                f"parallel.tp: {tp} does not divide model.{field}={value}; "
+                f"parallel.tp: {tp} does not divide {where}{field}={value}; "
                 f"pick a tp that divides it (each rank needs a whole share)"
             )

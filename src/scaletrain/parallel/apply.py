@@ -218,7 +218,7 @@ def apply_parallelism(
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
     n_stages = layout.pp * parallel.stages_per_rank
-    bounds = split_layers(spec.layer_costs(plan.seq_len or spec.max_seq_len), n_stages, parallel.pp_balance)
+    bounds = split_layers(spec.layer_costs(plan.seq_len or spec.max_seq_len or 0), n_stages, parallel.pp_balance)
     pp_rank = mesh["pp"].get_local_rank()
     stage_ids = stages_of_rank(pp_rank, layout.pp, n_stages, parallel.pp_schedule)
     stages = [spec.stage(model, s, n_stages, bounds[s]) for s in stage_ids]

@@ -6,7 +6,7 @@ Load balancing for causal attention: the sequence is cut into 2·cp chunks and c
 torch's own context_parallel uses (its _HeadTailLoadBalancer), which lets both methods below share the sharding.
 Rotary embeddings are taken at each token's global position (ModelSpec.context_parallel), and the loss of each
 rank's tokens adds up to the sequence's: the trainer sums the token loss over all ranks once, and the gradient
-reduction averages over dp x cp ranks (ParallelDims.grad_average) with the FSDP shard group spanning dp_shard x cp.
+reduction averages over dp x cp ranks (Layout.grad_average) with the FSDP shard group spanning dp_shard x cp.
 
 Two ways to attend, picked by parallel.cp_method:
 - allgather (any device, gloo included; the Llama 3 paper's method, section 3.3.2): each rank all-gathers the keys

@@ -10,12 +10,12 @@ from the same numbers as one process.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from scaletrain.config.schedules import pipeline_schedule
-from scaletrain.models.loss import token_loss_sum
 from scaletrain.models.stages import stages_of_rank as _stages_of_rank
 
 
@@ -110,10 +110,13 @@ def _forward_only_actions(schedule, name: str):
         schedule.pipeline_order_with_comms = table
 
 
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> summed loss: the task's
+
+
 class Pipeline:
     """This rank's stages under one schedule. step() runs a whole optimizer step's forward and backward over the
-    micro-batches; the loss (summed token cross-entropy × loss_scale per micro-batch) is computed on the last
-    stage, which returns the summed token loss; other ranks return zero."""
+    micro-batches; the loss (the task's summed loss × loss_scale per micro-batch) is computed on the last stage,
+    which returns the summed loss; other ranks return zero."""
 
     def __init__(
         self,
@@ -132,9 +135,10 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
         self.loss_scale = 1.0
+        self.loss_sum: LossSum | None = None  # the running step's loss (the task's), set by step() / evaluate()
         self.bounds = bounds  # [start, end) block range of every stage
         self.shared: SharedCopies | None = None  # parameters tied across stages (set by apply_parallelism)
-        self._token_losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
         order = getattr(schedule, "pipeline_order", None)
         self.bubble = bubble_fraction(order, n_stages, 1.0, 1.0, 1.0) if order else None
         if self.bubble is None and pipeline_schedule(schedule_name).placement == "single":
@@ -142,14 +146,15 @@ class Pipeline:
             # equal stages its bubble is GPipe's (p-1)/(m+p-1) (Narayanan et al. 2021, sec. 2.2)
             self.bubble = (n_stages - 1) / (n_microbatches + n_stages - 1)
 
-    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = token_loss_sum(logits, targets)
-        self._token_losses.append(loss.detach())
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        assert self.loss_sum is not None, "the schedule runs the loss only inside step() or evaluate()"
+        loss = self.loss_sum(outputs, targets)
+        self._losses.append(loss.detach())
         return loss * self.loss_scale
 
-    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool) -> torch.Tensor:
-        self._token_losses = []
-        args = (inputs,) if self.has_first else ()
+    def _run(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool) -> torch.Tensor:
+        self._losses = []
+        args = inputs if self.has_first else ()
         target = targets if self.has_last else None
         if train:
             self.schedule.step(*args, target=target, losses=[] if self.has_last else None, return_outputs=False)
@@ -157,19 +162,22 @@ class Pipeline:
             with _forward_only_actions(self.schedule, self.schedule_name):
                 self.schedule.eval(*args, target=target, losses=[] if self.has_last else None)
         if not self.has_last:
-            return torch.zeros((), device=inputs.device)
+            return torch.zeros((), device=targets.device)
         # the first step also runs the loss once on shape-inference tensors: keep the micro-batches' own
-        return torch.stack(self._token_losses[-self.n_microbatches :]).sum()
+        return torch.stack(self._losses[-self.n_microbatches :]).sum()
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns this rank's summed token loss (0 off the last
-        stage). inputs/targets: (b, S) tokens of this data-parallel rank, split into n_microbatches."""
-        self.loss_scale = loss_scale
+    def step(
+        self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_scale: float, loss_sum: LossSum
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
+        inputs (the first stage's arguments) and targets: (b, ...) of this data-parallel rank, split into
+        n_microbatches; loss_sum(outputs, targets): the task's loss of one micro-batch, run on the last stage."""
+        self.loss_scale, self.loss_sum = loss_scale, loss_sum
         return self._run(inputs, targets, train=True)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Forward only; summed token loss on the last stage, 0 elsewhere."""
-        self.loss_scale = 1.0
+    def evaluate(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_sum: LossSum) -> torch.Tensor:
+        """Forward only; summed loss on the last stage, 0 elsewhere."""
+        self.loss_scale, self.loss_sum = 1.0, loss_sum
         return self._run(inputs, targets, train=False)
 
     def describe(self) -> str:

@@ -5,25 +5,13 @@ line naming the field and the fix."""
 from __future__ import annotations
 
 import importlib.util
-import sysconfig
 from pathlib import Path
 
 from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.precisions import precision
 from scaletrain.config.schedules import pipeline_schedule
 from scaletrain.config.schema import JobConfig
-from scaletrain.data.checks import check_data
 from scaletrain.models.spec import ModelSpec
-
-
-def check_stream_tokens(cfg: JobConfig, vocab_size: int) -> None:
-    """Every dataset opens, holds only ids the model can embed, passes its size (and checksum) checks and has at
-    least one global batch and a validation sample (data/checks.py)."""
-    if cfg.data.source == "stdlib" or (cfg.data.source == "auto" and not cfg.data.path and not cfg.data.mix):
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        if not stdlib.is_dir():
-            raise ValueError(f"data.source: this Python's stdlib folder {stdlib} is missing; use data.source=synthetic")
-    check_data(cfg.data, vocab_size, cfg.train.global_batch_size, cfg.run.seed)
 
 
 def check_hf_init(folder: Path, spec: ModelSpec) -> None:

@@ -11,8 +11,9 @@ from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
-from scaletrain.resolve.checks import check_hf_init, check_layout, check_stream_tokens, pipeline_microbatches
+from scaletrain.resolve.checks import check_hf_init, check_layout, pipeline_microbatches
 from scaletrain.resolve.device import settle_device_defaults
+from scaletrain.tasks import task_for
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,8 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
     cfg = settle_device_defaults(cfg)
     spec = model_spec(cfg.model)
-    if cfg.data.source in ("stdlib", "auto") and not cfg.data.path and not cfg.data.mix and spec.vocab_size < 256:
-        raise ValueError(
-            f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {spec.vocab_size}"
-        )
-    if cfg.data.seq_len > spec.max_seq_len:
-        raise ValueError(
-            f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
-            f"lower data.seq_len or raise model.max_seq_len"
-        )
+    task = task_for(cfg.task)
+    task.check(cfg, spec)  # what the task needs of the model (vocabulary, sequence length)
     if cfg.checkpoint.init_from_hf and not Path(cfg.checkpoint.init_from_hf).is_dir():
         raise ValueError(
             f"checkpoint.init_from_hf: {cfg.checkpoint.init_from_hf!r} is not a folder; point it at a "
@@ -59,7 +53,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     piped = degrees.pp > 1
     if piped:
         micro = gb // dp // pipeline_microbatches(cfg, degrees)
-    check_stream_tokens(cfg, spec.vocab_size)
+    task.check_data(cfg, spec)  # every dataset opens and fits the model, before any rank starts
     layout = replace(
         degrees,
         micro_batch=micro,

@@ -130,7 +130,7 @@ class _Outputs:
             rt.world_size,
             rt.device,
             trainer.model.module,
-            trainer.spec.flops_per_token(cfg.data.seq_len),
+            trainer.task.flops_per_unit(cfg, trainer.spec),
             cfg.precision.dtype,
             start_step,
             trainer.layout.describe_mesh(),
@@ -163,14 +163,18 @@ class _LogWindow:
     """Step time and throughput since the previous log step."""
 
     def __init__(self) -> None:
-        self.t0, self.steps = time.perf_counter(), 0
+        self.t0, self.steps, self.counted = time.perf_counter(), 0, 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.counted += result.count
 
     def record(self, trainer: Trainer, step: int, result: StepResult, outputs: _Outputs) -> float:
-        loss = trainer.mean_loss(result.loss_sum)
+        loss = trainer.mean_loss(result.loss_sum, result.count)
         now = time.perf_counter()
         step_time = (now - self.t0) / self.steps
-        tps = trainer.tokens_per_step / step_time
-        self.t0, self.steps = now, 0
+        tps = self.counted / (now - self.t0)  # the task's units (tokens for causal-lm) per second
+        self.t0, self.steps, self.counted = now, 0, 0.0
         record = {
             "step": step,
             "loss": loss,
@@ -265,7 +269,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         log.info("%s", trainer.model.pipeline.describe())
     if trainer.model.context is not None:
         log.info("%s", trainer.model.context.describe())
-    last_loss, val_loss = float("nan"), None
+    last_loss, val_loss, counted = float("nan"), None, 0.0
     t_start = time.perf_counter()
     window = _LogWindow()
     watchdog = Watchdog(
@@ -280,7 +284,8 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 compile_watch.before(step)
                 result = trainer.train_step(step, mon.timer, watchdog.beat)
                 compile_watch.after(step)
-                window.steps += 1
+                window.add(result)
+                counted += result.count
                 last = step == cfg.train.steps
                 if step % cfg.monitor.log_interval == 0 or last:
                     watchdog.beat(step, "metrics")
@@ -290,8 +295,9 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 watchdog.completed(step)
                 if last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
                     watchdog.beat(step, "evaluation")
-                    val_loss = trainer.evaluate()
-                    outputs.write({"step": step, "val_loss": val_loss})
+                    val_metrics = trainer.evaluate()
+                    val_loss = val_metrics["val_loss"]
+                    outputs.write({"step": step, **val_metrics})
                     outputs.progress.message(f"step {step}: validation loss {val_loss:.4f}")
                 watchdog.beat(step, "end-of-step agreement")
                 stop, minutes_due = agreement.exchange(preemption.requested, ckpt.minutes_due())
@@ -328,7 +334,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         "final_loss": last_loss,
         "val_loss": val_loss,
         "elapsed_s": elapsed,
-        "tokens_per_s": cfg.train.steps * trainer.tokens_per_step / elapsed,
+        "tokens_per_s": counted / elapsed,  # the task's units (tokens for causal-lm) of the steps run here
         "world_size": rt.world_size,
         "layout": trainer.layout.describe_mesh(),
         "device": rt.device.type,

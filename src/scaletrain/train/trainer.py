@@ -2,24 +2,25 @@
 take one optimizer step (`train_step`), evaluate, and hand its state to a checkpoint; the loop around it (loop.py)
 adds checkpointing, monitoring, preemption and hang detection. Tests and benchmarks build the same Trainer.
 
-Loss normalisation: each optimizer step sees B·S target tokens in all. A rank's micro-batch loss is its summed token
-loss × (data-parallel degree / (B·S)), so the data-parallel gradient average yields exactly the gradient of the mean
-over all B·S tokens: accumulation k×b equals one batch of k·b, and any layout equals one process. Under context
-parallelism the gradient reduction also averages over the cp ranks (each holding a cp-th of every sequence), so the
-scale counts them too (Layout.grad_average).
+Loss normalisation: each optimizer step counts N units in all, as the task counts them (tasks/: B·S target tokens
+for causal-lm). A rank's micro-batch loss is the task's summed loss × (data-parallel degree / N), so the
+data-parallel gradient average yields exactly the gradient of the mean over all N units: accumulation k×b equals
+one batch of k·b, and any layout equals one process. Under context parallelism the gradient reduction also averages
+over the cp ranks (each holding a cp-th of every sequence), so the scale counts them too (Layout.grad_average).
+The trainer names no task: `cfg.task` picks it (tasks/registry.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
 from scaletrain.data import DistributedLoader
-from scaletrain.data import build_loaders as build_data_loaders
 from scaletrain.models.spec import ModelSpec
 from scaletrain.monitor import log
 from scaletrain.monitor.timing import NULL_TIMER
@@ -36,7 +37,8 @@ from scaletrain.train.job import Job
 from scaletrain.train.optim import build_optimizer, build_scheduler
 from scaletrain.train.fingerprint import check_same_job
 from scaletrain.resolve import ResolvedJob, resolve_job, settle_device_defaults
-from scaletrain.train.step import evaluate, forward_backward, sum_over_ranks
+from scaletrain.tasks import Task, task_for
+from scaletrain.train.step import evaluate, forward_backward, step_count, sum_over_ranks
 
 
 class NonFiniteError(RuntimeError):
@@ -45,9 +47,10 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class StepResult:
-    loss_sum: torch.Tensor  # this rank's share of the step's summed token loss (not yet reduced over ranks)
+    loss_sum: torch.Tensor  # this rank's share of the step's summed loss (not yet reduced over ranks)
     grad_norm: torch.Tensor  # global gradient norm before clipping
     lr: float  # learning rate the step used
+    count: float = 0.0  # units the step's loss sums over, every rank together (the task's count, e.g. tokens)
 
 
 def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> ParallelModel:
@@ -60,11 +63,9 @@ def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> Par
 def build_loaders(
     cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
 ) -> tuple[DistributedLoader, DistributedLoader]:
-    """(training loader, validation loader) of this data-parallel rank. Token ids need no check here: `resolved`
-    comes from resolve_job, which checked every dataset against the vocabulary."""
-    gb, seed = cfg.train.global_batch_size, cfg.run.seed
-    micro = resolved.layout.micro_batch
-    return build_data_loaders(cfg.data, resolved.spec.vocab_size, seed, gb, micro, dp_rank, dp_size)
+    """(training loader, validation loader) of this data-parallel rank, as the job's task reads its data. The data
+    needs no check here: `resolved` comes from resolve_job, which had the task check it against the model."""
+    return task_for(cfg.task).loaders(cfg, resolved.spec, resolved.layout.micro_batch, dp_rank, dp_size)
 
 
 @dataclass
@@ -104,9 +105,10 @@ class Trainer:
     def layout(self) -> Layout:
         return self.resolved.layout
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.train.global_batch_size * self.cfg.data.seq_len
+    @cached_property
+    def task(self) -> Task:
+        """What the job trains the model to do (its batch, loss, count and evaluation)."""
+        return task_for(self.cfg.task)
 
     def slowest(self, seconds: float) -> float:
         """The largest of every rank's `seconds` (a collective: every rank calls it)."""
@@ -125,15 +127,16 @@ class Trainer:
         with timer.phase("data"):
             micro_batches = self.loader.next_step()
         beat(step, "forward/backward")
-        scale = self.layout.grad_average / self.tokens_per_step  # dp (x cp): the ranks gradients average over
-        loss_sum = forward_backward(self.job, micro_batches, scale, timer=timer)
+        count = step_count(self.job, self.task, micro_batches)
+        scale = self.layout.grad_average / count  # dp (x cp): the ranks gradients average over
+        loss_sum = forward_backward(self.job, self.task, micro_batches, scale, timer=timer)
         policy = self.cfg.train.nan_policy
         beat(step, "optimizer")
         with timer.phase("optimizer"):
             grad_norm = self.job.step(skip_nonfinite=policy == "skip")
         if not torch.isfinite(grad_norm) and self.job.scaler is None:
             # the norm decides; the loss (finite or not) says whether forward or only backward blew up
-            loss = self.mean_loss(loss_sum)
+            loss = self.mean_loss(loss_sum, count)
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             values = f"loss {loss:.6g}, gradient norm {float(grad_norm):.6g}"
             self.skipped_steps += 1
@@ -153,15 +156,15 @@ class Trainer:
             )
         lr = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
-        return StepResult(loss_sum, grad_norm, lr)
+        return StepResult(loss_sum, grad_norm, lr, count)
 
-    def mean_loss(self, loss_sum: torch.Tensor) -> float:
-        """The step's mean token loss over every rank (a blocking all-reduce)."""
-        return sum_over_ranks(loss_sum) / self.tokens_per_step
+    def mean_loss(self, loss_sum: torch.Tensor, count: float) -> float:
+        """The step's mean loss per counted unit over every rank (a blocking all-reduce); count: StepResult.count."""
+        return sum_over_ranks(loss_sum) / count
 
-    def evaluate(self) -> float:
-        """Mean token loss over train.eval_batches global batches of the validation split."""
-        return evaluate(self.job, self.val_loader, self.cfg.train.eval_batches, self.tokens_per_step)
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics (val_loss, ...) over train.eval_batches global batches of the validation split."""
+        return evaluate(self.job, self.task, self.val_loader, self.cfg.train.eval_batches)
 
     def state_dict(self) -> dict:
         """The trainer's own state for a checkpoint (plain JSON-able data, world-size free)."""

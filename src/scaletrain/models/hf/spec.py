@@ -27,8 +27,22 @@ def _logits_only(module, args, output):
 class HFSpec(ModelSpec):
     family = "hf"
     args_type = HFArgs
+    selected_by = "hf"  # model.hf = FOLDER
 
     args: HFArgs
+    # what the user calls the config's fields, for messages: the folder's config.json, or setup()'s model.config
+    config_fields = "model.hf config.json's "
+
+    @classmethod
+    def from_section(cls, keys: dict[str, Any], preset: Any | None) -> HFSpec:
+        """model.hf = FOLDER and nothing else: the shape comes from the folder's config.json."""
+        for key in keys:
+            if key != cls.selected_by:
+                raise ValueError(f"model.{key}: the shape comes from model.hf's config.json; remove model.{key}")
+        folder = keys[cls.selected_by]
+        if not isinstance(folder, str) or not folder:
+            raise ValueError(f"model.hf: give a local Hugging Face model folder (got {folder!r})")
+        return cls.from_folder(folder)
 
     @classmethod
     def from_folder(cls, path: str) -> HFSpec:
@@ -52,6 +66,7 @@ class HFSpec(ModelSpec):
         fields = json.loads(config.to_json_string(use_diff=False))
         fields["architectures"] = fields.get("architectures") or [type(model).__name__]  # what messages name
         spec = cls(HFArgs(config=json.dumps(fields, sort_keys=True)))
+        spec.config_fields = f"{type(model).__name__}.config."
         spec.__dict__["config"] = config  # the cached properties, answered by the model as it is
         spec.__dict__["meta_model"] = model
         return spec
@@ -276,10 +291,7 @@ class HFSpec(ModelSpec):
         }
         if self.n_experts:
             sizes["num_experts"] = self.n_experts
-        try:
-            check_tp_divides(tp, **sizes)
-        except ValueError as e:  # the fields are config.json's, not model.*
-            raise ValueError(str(e).replace("model.", "model.hf config.json's ")) from None
+        check_tp_divides(tp, self.config_fields, **sizes)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         from scaletrain.models.hf.tp import hf_tp_plan

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from scaletrain.models.spec import DecoderShape
 
 
 @dataclass(frozen=True)
 class LlamaArgs(DecoderShape):
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
+    """Every field is a `[model]` key of a Llama preset (model.dim = 256, model.rope_theta = 500000.0, ...)."""
+
+    rope_theta: Annotated[float, Field(gt=0)] = 10000.0
+    norm_eps: Annotated[float, Field(gt=0)] = 1e-5
 
     def check(self) -> None:
         """Raise ValueError naming the field when the shape is not a valid decoder."""

@@ -1,0 +1,94 @@
+"""causal-lm: next-token prediction on a token stream, the task of pre-training and continued pre-training.
+
+Batch: data.Batch, (B, S) int64 inputs and the same tokens shifted by one as targets (IGNORE_INDEX where the loss
+skips a target, e.g. a document's first token under data.mask_doc_starts). Loss: summed token cross-entropy with
+logits in fp32 (models/loss.py). Count: every target position, B·S per batch (masked ones included, so a step's
+normaliser is fixed by the config and needs no collective). Evaluation: mean token loss of the validation split.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scaletrain.tasks.base import Task
+
+if TYPE_CHECKING:
+    import torch
+
+    from scaletrain.config.schema import JobConfig
+    from scaletrain.data import Batch
+    from scaletrain.models.spec import ModelSpec
+
+
+def _reads_stdlib(cfg: JobConfig) -> bool:
+    return cfg.data.source == "stdlib" or (cfg.data.source == "auto" and not cfg.data.path and not cfg.data.mix)
+
+
+class CausalLM(Task):
+    name = "causal-lm"
+    unit = "tokens"
+
+    def _vocab(self, spec: ModelSpec) -> int:
+        vocab = spec.vocab_size
+        if vocab is None:
+            raise ValueError(
+                f"task.name: {self.name} feeds token ids, and the {spec.family} model takes none; "
+                f"pick the task this model is trained for"
+            )
+        return vocab
+
+    def check(self, cfg: JobConfig, spec: ModelSpec) -> None:
+        """The model embeds the data's token ids and takes sequences of data.seq_len."""
+        vocab = self._vocab(spec)
+        if _reads_stdlib(cfg) and vocab < 256:
+            raise ValueError(f"model.vocab_size: byte-level stdlib text needs >= 256 tokens, the model has {vocab}")
+        if spec.max_seq_len is not None and cfg.data.seq_len > spec.max_seq_len:
+            raise ValueError(
+                f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
+                f"lower data.seq_len or raise model.max_seq_len"
+            )
+
+    def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
+        """Every dataset opens, holds only ids the model can embed, passes its size (and checksum) checks and has
+        at least one global batch and a validation sample (data/checks.py)."""
+        from scaletrain.data.checks import check_data
+
+        if _reads_stdlib(cfg):
+            stdlib = Path(sysconfig.get_paths()["stdlib"])
+            if not stdlib.is_dir():
+                raise ValueError(
+                    f"data.source: this Python's stdlib folder {stdlib} is missing; use data.source=synthetic"
+                )
+        check_data(cfg.data, self._vocab(spec), cfg.train.global_batch_size, cfg.run.seed)
+
+    def loaders(self, cfg: JobConfig, spec: ModelSpec, micro_batch: int, dp_rank: int, dp_size: int) -> tuple:
+        from scaletrain.data import build_loaders
+
+        gb = cfg.train.global_batch_size
+        return build_loaders(cfg.data, self._vocab(spec), cfg.run.seed, gb, micro_batch, dp_rank, dp_size)
+
+    def inputs(self, batch: Batch) -> torch.Tensor:
+        return batch.inputs
+
+    def targets(self, batch: Batch) -> torch.Tensor:
+        return batch.targets
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of logits (B, S, V) against targets (B, S); IGNORE_INDEX targets add nothing."""
+        from scaletrain.models.loss import token_loss_sum
+
+        return token_loss_sum(outputs, targets)
+
+    def count(self, batch: Batch) -> int:
+        return batch.targets.numel()
+
+    def flops_per_unit(self, cfg: JobConfig, spec: ModelSpec) -> float | None:
+        try:
+            return spec.flops_per_token(cfg.data.seq_len)
+        except NotImplementedError:  # a family without a decoder shape that does not count its FLOPs
+            return None
+
+
+TASK = CausalLM
