@@ -8,13 +8,13 @@ preflight (resolve_job) before it is chosen, so a plan that would be refused at 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
 from scaletrain.config import JobConfig, load_config
+from scaletrain.config.errors import ConfigError
 from scaletrain.config.load import parse_override
 from scaletrain.config.schedules import SCHEDULE_NAMES
+from scaletrain.config.toml_file import read_toml
 from scaletrain.hardware.calibration import apply_calibration, load_calibration
 from scaletrain.hardware.cluster import Cluster, make_cluster
 from scaletrain.plan.layout import AC_MODES, Layout, Workload, runs_compiled
@@ -52,10 +52,10 @@ def explicit_keys(path: str | None, overrides: list[str] | tuple[str, ...]) -> s
             else:
                 keys.add(f"{prefix}{k}")
 
-    if path is not None and Path(path).is_file():
+    if path is not None:
         try:
-            walk(tomllib.loads(Path(path).read_text()), "")
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError):
+            walk(read_toml(path, "config file"), "")
+        except ConfigError:
             pass  # load_config reports it
     for text in overrides:
         keys.add(".".join(parse_override(text)[0]))
