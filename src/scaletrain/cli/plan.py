@@ -5,63 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import click
 from click.core import ParameterSource
 
 from scaletrain.cli.errors import fail
-
-# Input ranges: beyond them an answer means nothing, and the search (divisors of --gpus, one row per layout)
-# would take minutes instead of well under a second.
-PLAN_RANGES = {
-    "--params": (1e8, 1e15, "1,000 T parameters, ~500x the largest trained models"),
-    "--gpus": (1, 65536, "the most GPUs the planner's smallest-setup search tries"),
-    "--gpus-per-node": (1, 65536, "at most --gpus"),
-    "--seq-len": (2, 2**24, "16.8M tokens, beyond the longest trained contexts"),
-    "--global-batch": (1, 2**24, "16.8M sequences, ~1000x the largest published batches"),
-    "--dim": (1, 2**24, "a model dimension"),
-    "--layers": (1, 1024, "~8x the deepest trained models (126 layers)"),
-    "--heads": (1, 2**24, "a model dimension"),
-    "--kv-heads": (1, 2**24, "a model dimension"),
-    "--ffn-dim": (1, 2**24, "a model dimension"),
-    "--vocab": (1, 2**24, "a model dimension"),
-    "--top": (1, 1000, "rows in a table a person reads"),
-    "--tokens": (1, 2**63 - 1, "a token count that fits in int64"),
-}
-
-
-def _in_range(flag: str, value: float | None) -> None:
-    """One line naming the flag and its range when `value` is outside PLAN_RANGES[flag] or not finite."""
-    if value is None:
-        return
-    lo, hi, why = PLAN_RANGES[flag]
-    if not math.isfinite(value) or not lo <= value <= hi:
-        show = (lambda x: f"{x:,}") if isinstance(hi, int) else (lambda x: f"{x:g}")
-        fail(f"{flag}: must be {show(lo)} to {show(hi)} ({why}); got {show(value)}")
-
-
-def _number(text: str | None, flag: str) -> float | None:
-    """'8e9', '8B', '15T', '500M' -> float."""
-    if text is None:
-        return None
-    t = text.strip().upper().replace("_", "")
-    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}.get(t[-1:], 1.0)
-    try:
-        value = float(t[:-1] if scale != 1.0 else t) * scale
-    except ValueError:
-        fail(f"{flag}: expected a number such as 8e9, 8B or 15T (got {text!r})")
-    if not math.isfinite(value):
-        fail(f"{flag}: must be a finite number (got {text!r})")
-    if value <= 0:
-        fail(f"{flag}: must be positive (got {text!r})")
-    _in_range(flag, value)
-    return value
-
-
-def _list(text: str | None) -> tuple[str, ...]:
-    """Comma-separated values; () when the option was not given."""
-    return () if text is None else tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 def _hf_shape(path: str):
@@ -74,69 +22,6 @@ def _hf_shape(path: str):
         fail(str(e).replace("model.hf:", "--hf:", 1))
     click.echo(f"scaletrain: {spec.describe()}", err=True)
     return spec.shape(), spec.architecture
-
-
-def _workload(model, params, dims, seq_len, global_batch, gpus, shape=None, hf_path=None):
-    from scaletrain.models import preset_spec, presets
-    from scaletrain.plan.layout import Workload
-    from scaletrain.plan.shapes import decoder_shape_for_params
-
-    if hf_path is not None:
-        args, name = _hf_shape(hf_path)
-    elif shape is not None:  # a job config's model
-        args, name = shape, model
-    elif params is not None:
-        args, name = decoder_shape_for_params(params), f"custom-{params / 1e9:.3g}b"
-    else:
-        if model not in presets() or preset_spec(model).shape() is None:
-            fail(f"--model: unknown model {model!r}; choose one of {', '.join(presets())} or pass --params")
-        args, name = preset_spec(model).shape(), model
-    changes = {k: v for k, v in dims.items() if v is not None}
-    if changes and hf_path is not None:
-        fail(
-            "--hf: the shape comes from the folder's config.json; drop --dim/--layers/--heads/--kv-heads/--ffn-dim/--vocab"
-        )
-    if changes:  # each already within PLAN_RANGES
-        args = dataclasses.replace(args, **changes)
-        name += "*"
-        try:
-            args.check()
-        except ValueError as e:
-            fail(str(e))
-    seq = seq_len if seq_len is not None else min(8192, args.max_seq_len)
-    if seq > args.max_seq_len:
-        args = dataclasses.replace(args, max_seq_len=seq)
-    gb = global_batch if global_batch is not None else max(256, gpus)
-    return Workload(name, args, seq, gb)
-
-
-def _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd, pue):
-    from scaletrain.hardware import (
-        CalibrationError,
-        ClusterFileError,
-        apply_calibration,
-        load_calibration,
-        load_cluster,
-        make_cluster,
-    )
-
-    try:
-        if cluster_file:
-            cluster = load_cluster(cluster_file, gpus)
-            if usd is not None:
-                cluster = dataclasses.replace(cluster, usd_per_gpu_hour=usd)
-            if pue is not None:
-                cluster = dataclasses.replace(cluster, pue=pue)
-        else:
-            if gpus is None:
-                fail("--gpus: required (or pass --cluster FILE.toml)")
-            kwargs = {"pue": pue} if pue is not None else {}
-            cluster = make_cluster(gpu, gpus, interconnect, gpus_per_node, usd, **kwargs)
-        if calibration:
-            cluster = apply_calibration(cluster, load_calibration(calibration))
-    except (ClusterFileError, CalibrationError, ValueError) as e:
-        fail(str(e))
-    return cluster
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -230,61 +115,44 @@ def plan(
     sets (parallel.dp_replicate/dp_shard/tp/pp/pp_schedule/activation_checkpoint, train.micro_batch_size,
     train.global_batch_size, precision.dtype) pin the search; when all are set, that one layout is evaluated and
     printed even if it does not fit, with the nearest faster layouts that do."""
-    from scaletrain.config.precisions import PRECISION_NAMES
-    from scaletrain.plan import SearchOptions
     from scaletrain.plan import compare_gpus as compare
-    from scaletrain.plan.layout import AC_MODES
-    from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code
+    from scaletrain.plan.inputs import (
+        check_prices,
+        check_range,
+        cluster_for,
+        parse_amount,
+        search_options,
+        split_list,
+        workload_for,
+    )
+    from scaletrain.plan.layout import runs_compiled
     from scaletrain.plan.render import print_compare, print_plan
     from scaletrain.plan.report import DoesNotFit, compare_dict, plan_report
 
-    params = _number(params_text, "--params")
-    tokens = _number(tokens_text, "--tokens")
-    for flag, value in (
-        ("--gpus", gpus),
-        ("--gpus-per-node", gpus_per_node),
-        ("--seq-len", seq_len),
-        ("--global-batch", global_batch),
-        ("--dim", dim),
-        ("--layers", n_layers),
-        ("--heads", n_heads),
-        ("--kv-heads", n_kv_heads),
-        ("--ffn-dim", ffn_dim),
-        ("--vocab", vocab_size),
-        ("--top", top),
-    ):
-        _in_range(flag, value)
-    if pue is not None and not (math.isfinite(pue) and pue >= 1):
-        fail(f"--pue: must be a finite number of at least 1.0 (got {pue})")
-    if usd_per_gpu_hour is not None and not (math.isfinite(usd_per_gpu_hour) and usd_per_gpu_hour >= 0):
-        fail(f"--usd-per-gpu-hour: must be a finite number, not negative (got {usd_per_gpu_hour})")
-    precs, acs = _list(precisions), _list(ac_modes)
-    for p in precs:
-        if p not in PRECISION_NAMES:
-            fail(f"--precision: unknown dtype {p!r}; choose from {', '.join(PRECISION_NAMES)}")
-    for a in acs:
-        if a not in AC_MODES:
-            fail(f"--ac: unknown mode {a!r}; choose from {', '.join(AC_MODES)}")
-    if not precs or not acs:
-        fail("--precision/--ac: give at least one value")
-    sched = _list(schedules)
-    for name in sched:
-        try:
-            if schedule_code(name) == NO_PIPELINE:
-                raise ValueError(f"--schedules: {name!r} is not a pipeline schedule")
-        except ValueError as e:
-            fail(str(e))
-    cps = None
-    if cp_text:
-        try:
-            cps = tuple(int(x) for x in _list(cp_text))
-        except ValueError:
-            fail(f"--cp: expected degrees such as 1,2,4 (got {cp_text!r})")
-        if any(not 1 <= c <= PLAN_RANGES["--gpus"][1] for c in cps):
-            fail(f"--cp: degrees must be 1 to {PLAN_RANGES['--gpus'][1]:,} (got {cp_text!r})")
-    opts = SearchOptions(precisions=precs, ac_modes=acs, cp=cps, top=top)
-    if sched:
-        opts = dataclasses.replace(opts, schedules=sched)
+    shape_flags = {
+        "--dim": dim,
+        "--layers": n_layers,
+        "--heads": n_heads,
+        "--kv-heads": n_kv_heads,
+        "--ffn-dim": ffn_dim,
+        "--vocab": vocab_size,
+    }
+    try:
+        params = parse_amount(params_text, "--params")
+        tokens = parse_amount(tokens_text, "--tokens")
+        for flag, value in (
+            ("--gpus", gpus),
+            ("--gpus-per-node", gpus_per_node),
+            ("--seq-len", seq_len),
+            ("--global-batch", global_batch),
+            *shape_flags.items(),
+            ("--top", top),
+        ):
+            check_range(flag, value)
+        check_prices(pue, usd_per_gpu_hour)
+        opts = search_options(precisions, ac_modes, schedules, cp_text, top)
+    except ValueError as e:
+        fail(str(e))
 
     config = _job_config(config_args) if config_args else None
     shape = None
@@ -298,27 +166,16 @@ def plan(
             global_batch = cfg.train.global_batch_size
         if gpus is None and cluster_file is None:
             gpus = _config_world(cfg, given)
-    cluster = _cluster(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     try:
-        work = _workload(
-            model,
-            params,
-            {
-                "dim": dim,
-                "n_layers": n_layers,
-                "n_heads": n_heads,
-                "n_kv_heads": n_kv_heads,
-                "ffn_dim": ffn_dim,
-                "vocab_size": vocab_size,
-            },
-            seq_len,
-            global_batch,
-            cluster.gpus,
-            shape,
-            hf_path,
+        cluster = cluster_for(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
+    except ValueError as e:
+        fail(str(e))
+    if hf_path is not None:
+        shape, model = _hf_shape(hf_path)
+    try:
+        work = workload_for(
+            model, params, shape_flags, seq_len, global_batch, cluster.gpus, shape, hf=hf_path is not None
         )
-        from scaletrain.plan.layout import runs_compiled
-
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu))
     except ValueError as e:
         fail(str(e))
@@ -333,7 +190,7 @@ def plan(
         try:
             budgets = compare(
                 work,
-                list(_list(compare_gpus)),
+                list(split_list(compare_gpus)),
                 cluster.gpus,
                 tokens,
                 opts,
