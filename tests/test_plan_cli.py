@@ -185,7 +185,7 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "all-reduce busbw" in p.stdout and "all-gather" in p.stdout and "per dispatched op" in p.stdout
-    from scaletrain.hardware.bench import ATTENTION_POINTS
+    from scaletrain.hardware.kernels import ATTENTION_POINTS
     from scaletrain.hardware.calibration import load_calibration
 
     measured = load_calibration(cal)

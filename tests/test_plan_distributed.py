@@ -9,13 +9,13 @@ trainer does."""
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 from scaletrain.config import ModelConfig
 from scaletrain.models import model_spec, preset_spec
+from scaletrain.launch.local import free_port
 from scaletrain.plan.memory import trainer_model_state_bytes
 
 SEQ = 32
@@ -219,17 +219,11 @@ def _worker(rank: int, world: int, port: int, layouts: list, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, layouts: list) -> list[dict]:
     import torch.multiprocessing as mp
 
     q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), layouts, q), nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), layouts, q), nprocs=world, join=True, start_method="spawn")
     return [r for _ in range(world) for r in q.get()]
 
 

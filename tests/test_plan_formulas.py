@@ -243,7 +243,7 @@ def test_ring_collectives_over_the_links_they_cross():
 
 def _dispatched_ops(preset: str, ac: str) -> tuple[int, int]:
     """(forward incl. loss, backward) ATen ops of the built-in model as the trainer wraps it for `ac`."""
-    from scaletrain.hardware.bench import count_dispatched_ops
+    from scaletrain.hardware.op_profile import count_dispatched_ops
     from scaletrain.models import preset_spec
     from scaletrain.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -307,7 +307,7 @@ def test_pointwise_bytes_per_block_are_what_the_built_block_moves(dim, ffn):
     attention kernels and views, its tensors in and out, counted op by op as bench's step_profile counts them."""
     import dataclasses
 
-    from scaletrain.hardware.bench import step_profile
+    from scaletrain.hardware.op_profile import step_profile
     from scaletrain.models import preset_spec
     from scaletrain.models.llama.model import Llama
     from scaletrain.plan.steptime import POINTWISE_BWD_FFN, POINTWISE_BWD_H, POINTWISE_FWD_FFN, POINTWISE_FWD_H
@@ -331,7 +331,7 @@ def test_optimizer_bytes_per_parameter_are_what_a_step_moves():
     """steptime.ADAMW_BYTES_PER_PARAM: Job.step's memory-bound ops (the global norm, the clip, foreach AdamW as
     train/optim.py builds it) per parameter, counted op by op as bench's step_profile counts a step's."""
     from scaletrain.config.schema import TrainConfig
-    from scaletrain.hardware.bench import step_profile
+    from scaletrain.hardware.op_profile import step_profile
     from scaletrain.models import preset_spec
     from scaletrain.models.llama.model import Llama
     from scaletrain.plan.steptime import ADAMW_BYTES_PER_PARAM

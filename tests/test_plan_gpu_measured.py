@@ -102,7 +102,7 @@ def test_eager_fp8_is_never_ranked_above_bf16_and_compiled_fp8_is(fp8):
 def test_autocast_block_bytes_and_ops_are_what_the_built_block_moves():
     """steptime.AUTOCAST_*: one block under autocast to bf16 with an fp32 residual stream, as the trainer runs it on
     one rank, counted as bench's step_profile counts a step (weight casts apart) and as OPS_PER_BLOCK counts ops."""
-    from scaletrain.hardware.bench import count_dispatched_ops, step_profile
+    from scaletrain.hardware.op_profile import count_dispatched_ops, step_profile
     from scaletrain.models.llama.model import Llama
     from scaletrain.plan.shapes import layer_param_shapes
     from scaletrain.plan.steptime import (
@@ -147,7 +147,7 @@ def test_autocast_block_bytes_and_ops_are_what_the_built_block_moves():
 
 
 def test_loss_bytes_per_vocabulary_entry_are_what_the_chunked_loss_moves():
-    from scaletrain.hardware.bench import step_profile
+    from scaletrain.hardware.op_profile import step_profile
     from scaletrain.models.loss import token_loss_sum
     from scaletrain.plan.steptime import LOSS_BYTES_PER_VOCAB
 
@@ -204,7 +204,7 @@ def test_eager_float8_ops_per_linear_are_what_torchao_dispatches(recipe):
     from torch import nn
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    from scaletrain.hardware.bench import count_dispatched_ops
+    from scaletrain.hardware.op_profile import count_dispatched_ops
     from scaletrain.plan.steptime import FP8_EAGER_OPS_PER_LINEAR
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)

@@ -155,7 +155,7 @@ def test_a_group_spanning_nodes_waits_what_bench_measured_across_them():
     """CPU ranks: bench --nodes measures the wait of an all-gather over every rank of every node after compute
     (its cost beyond the all-gather fit for 64 KiB); a collective whose group spans nodes pays it, a group inside a
     node the intra-node curve."""
-    from scaletrain.hardware.bench import SYNC_BYTES
+    from scaletrain.hardware.timing import SYNC_BYTES
     from scaletrain.plan.efficiency import amid_compute_seconds
 
     B = 0.12e9

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from scaletrain.hardware import Calibration, apply_calibration, load_calibration, make_cluster
-from scaletrain.hardware.bench import matmul_shapes
+from scaletrain.hardware.kernels import matmul_shapes
 from scaletrain.hardware.calibration import CalibrationError, save_calibration
 from scaletrain.models import preset_spec
 from scaletrain.plan import Layout, Workload, evaluate_layout

@@ -5,7 +5,7 @@ every case); the learning-rate schedule's exact values."""
 from __future__ import annotations
 
 import math
-import socket
+
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from scaletrain.config import TrainConfig
 from scaletrain.config.layout import Layout
+from scaletrain.launch.local import free_port
 from scaletrain.parallel.dims import build_mesh
 from scaletrain.train.job import Job, global_grad_norm, make_scaler
 from scaletrain.train.optim import build_scheduler, lr_factor
@@ -146,12 +147,6 @@ def _norm_worker(rank: int, world: int, port: int, full: dict, out) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_global_grad_norm_over_fsdp_and_tp_shards_equals_the_full_gradients_norm():
     import torch.multiprocessing as mp
 
@@ -163,7 +158,7 @@ def test_global_grad_norm_over_fsdp_and_tp_shards_equals_the_full_gradients_norm
         "n": torch.randn(3, generator=gen),
     }
     q = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_norm_worker, args=(2, _free_port(), full, q), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_norm_worker, args=(2, free_port(), full, q), nprocs=2, join=True, start_method="spawn")
     got = dict(q.get() for _ in range(2))
 
     def norm(*names):

@@ -16,6 +16,7 @@ Run it with `torchrun --nproc-per-node N my_script.py`, or as a plain `python my
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal, cast
@@ -26,7 +27,7 @@ from torch import nn
 from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.precisions import PrecisionName
 from scaletrain.config.schema import ParallelConfig, PrecisionConfig
-from scaletrain.models.spec import ModelSpec
+from scaletrain.models.spec import ModelSpec, TPWords
 from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
 from scaletrain.parallel.blocks import ShardRule
 from scaletrain.parallel.dims import build_mesh
@@ -68,6 +69,12 @@ def _layout(data_parallel: DataParallel, world: int, dp_replicate: int | None, t
     return Layout(dp_replicate=dp_replicate, dp_shard=dp // dp_replicate, tp=tp)
 
 
+# setup()'s names for what a tensor-parallel refusal points at (the trainer's are its config keys)
+SETUP_TP_WORDS = TPWords(
+    tp="tp", tp_off="tp=1", no_plan_fix="pass your own tp_plan= or use tp=1", fsdp="data_parallel='fsdp'"
+)
+
+
 def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpec | None) -> dict | None:
     """The {module path pattern: ParallelStyle} plan: the user's (a dict, or a callable(model) -> dict), else the
     spec's when scaletrain knows the model, else a transformers model's own (from its base_model_tp_plan, as
@@ -87,16 +94,7 @@ def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpe
         return spec.tp_plan(model, False, False)
     hf = _transformers_spec(model)
     if hf is not None:
-        try:
-            hf.check_tp(tp)
-        except ValueError as e:  # the trainer's wording names its config fields; here they are setup()'s arguments
-            msg = str(e).replace("model.hf config.json's ", f"{type(model).__name__}.config.")
-            msg = msg.replace(
-                "parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup()", "data_parallel='fsdp'"
-            )
-            if msg.endswith("use parallel.tp=1"):
-                msg = msg.removesuffix("use parallel.tp=1") + "pass your own tp_plan= or use tp=1"
-            raise ValueError(msg.replace("parallel.tp=1", "tp=1").replace("parallel.tp:", "tp:", 1)) from None
+        hf.check_tp(tp, dataclasses.replace(SETUP_TP_WORDS, config=f"{type(model).__name__}.config."))
         return hf.tp_plan(model, False, False)
     try:
         return auto_tp_plan(model)

@@ -37,7 +37,7 @@ def doctor(
     Exit code 1 when a check fails, 0 otherwise (warnings included).
     """
     from scaletrain.cli.errors import fail
-    from scaletrain.cli.nodes import check_node_flags, endpoint_message
+    from scaletrain.cli.nodes import check_node_flags
     from scaletrain.doctor import run_doctor
 
     across = nodes > 1 or node_rank is not None or rdzv_endpoint is not None
@@ -46,9 +46,9 @@ def doctor(
 
         check_node_flags(nodes, node_rank, rdzv_endpoint, "doctor")
         try:  # the endpoint's form and name before the local checks; the rendezvous checks the rest
-            network.resolve(network.split_endpoint(str(rdzv_endpoint))[0])
+            network.resolve(network.split_endpoint(str(rdzv_endpoint), "--rdzv-endpoint")[0], "--rdzv-endpoint")
         except ValueError as e:
-            fail(endpoint_message(e))
+            fail(str(e))
     checks = run_doctor(bandwidth=not no_bandwidth, nproc=nproc)
     if across:
         import torch
@@ -60,7 +60,7 @@ def doctor(
         try:
             checks += check_nodes(nodes, node_rank, rdzv_endpoint, nproc or gpus or 2, 16 * 2**20)
         except ValueError as e:
-            fail(endpoint_message(e))
+            fail(str(e))
     if as_json:
         click.echo(json.dumps([c.as_dict() for c in checks], indent=2))
     else:

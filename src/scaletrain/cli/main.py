@@ -16,7 +16,8 @@ from scaletrain.cli.data import data
 from scaletrain.cli.doctor import doctor
 from scaletrain.cli.errors import fail
 from scaletrain.cli.launch import launch
-from scaletrain.cli.plan import bench, plan
+from scaletrain.cli.bench import bench
+from scaletrain.cli.plan import plan
 from scaletrain.cli.report import report
 from scaletrain.config.errors import ConfigError
 from scaletrain.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HANG, EXIT_REQUEUE

@@ -40,9 +40,3 @@ def check_node_flags(nodes: int, node_rank: int | None, rdzv_endpoint: str | Non
         fail(f"--node-rank: {node_rank} is not below --nodes {nodes}; number the nodes 0..{nodes - 1}")
     if rdzv_endpoint.endswith(":0"):
         fail(f"--rdzv-endpoint: a multi-node {command} needs a fixed HOST:PORT every node can reach")
-
-
-def endpoint_message(e: ValueError) -> str:
-    """The rendezvous' one-line refusal of an endpoint, in the flags' words (checked as train's
-    launch.rdzv_endpoint; bench and doctor have no local_addr)."""
-    return str(e).replace("launch.rdzv_endpoint", "--rdzv-endpoint").replace(", or set launch.local_addr", "")

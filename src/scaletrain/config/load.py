@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from scaletrain.config.errors import ConfigError
 from scaletrain.config.schema import JobConfig
+from scaletrain.config.toml_file import read_toml
 
 
 def _section_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
@@ -87,15 +88,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """Build a validated JobConfig from an optional TOML file and `key=value` overrides."""
     tree: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r}: not found; pass an existing .toml file")
-        try:
-            tree = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(p)!r}: not valid TOML: {e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {str(p)!r}: not UTF-8 text") from None
+        tree = read_toml(path, "config file")
     for text in overrides:
         key, value = parse_override(text)
         _set(tree, key, value)

@@ -290,7 +290,7 @@ def check_allreduce(nproc: int, nbytes: int, expected: float | None, link_name: 
     """A measured all-reduce across nproc local ranks (NCCL on GPUs, gloo on CPUs), against the link's speed."""
     import torch
 
-    from scaletrain.hardware.bench import measure_allreduce_busbw
+    from scaletrain.launch.bench_local import measure_allreduce_busbw
 
     on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= nproc
     backend = "nccl" if on_gpu else "gloo"
@@ -323,7 +323,8 @@ def check_nodes(nodes: int, node_rank: int, endpoint: str, nproc: int, nbytes: i
     """The nodes meet at `endpoint` (one agent per node, as `train --nnodes`) and time all-reduce, all-gather and
     reduce-scatter over every rank of every node, then inside each node with every node at once (what
     `scaletrain bench --nodes` writes into a calibration). Rows: whether the nodes agree, and the bus bandwidths."""
-    from scaletrain.hardware.bench import COLLECTIVES, ring_terms
+    from scaletrain.hardware.fit import ring_terms
+    from scaletrain.hardware.kernels import COLLECTIVES
     from scaletrain.hardware.internode import NodeBenchError, fit_seconds
     from scaletrain.launch.bench_nodes import measure_across_nodes
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
 
 from scaletrain.hardware.cluster import Cluster
+from scaletrain.config.toml_file import read_toml
 
 
 class CalibrationError(ValueError):
@@ -91,7 +92,7 @@ class Calibration:
     collective_amid_compute: tuple[tuple[float, ...], ...] = ()
     # causal attention forward + backward (POINT_KEYS); files written before it: empty
     attention: tuple[tuple[float, ...], ...] = ()
-    # CPU: one real forward + backward of the built-in model measured op by op (hardware/bench.py step_profile):
+    # CPU: one real forward + backward of the built-in model measured op by op (hardware/op_profile.py step_profile):
     # what its GEMMs and attention achieved there (cold operands, fresh outputs, cores shared as in training), and
     # the bytes/s of its memory-bound ops (norms, activations, RoPE, residual adds, the loss)
     step_matmul: tuple[tuple[float, ...], ...] = ()
@@ -108,7 +109,73 @@ class Calibration:
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> None:
-    Path(path).write_text(cal.to_toml())
+    """Write `cal` as TOML to `path`, whole or not at all (a temporary file beside it, then renamed)."""
+    out = Path(path)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.write_text(cal.to_toml())
+    tmp.replace(out)
+
+
+def calibration_summary(cal: Calibration) -> str:
+    """One line of what `scaletrain bench` measured: per-rank matmul, copy, dispatch and attention rates, the
+    collectives' fits inside the host and across nodes, and (CPU) how the ranks share the cores."""
+    low = min(cal.matmul, key=lambda p: p[3])
+    comm = "one rank: no collectives measured"
+    if cal.allreduce_busbw and cal.allgather_busbw:
+        comm = (
+            f"all-reduce busbw {cal.allreduce_busbw / 1e9:,.2f} GB/s + {(cal.allreduce_latency_s or 0) * 1e6:.0f} us "
+            f"per step, all-gather {cal.allgather_busbw / 1e9:,.2f} GB/s + "
+            f"{(cal.allgather_latency_s or 0) * 1e6:.0f} us{_scatter(cal)} over {cal.ranks} ranks"
+        )
+    if cal.nodes and cal.internode_allreduce_busbw and cal.internode_allgather_busbw:
+        comm += (
+            f"; across {cal.nodes} nodes all-reduce busbw {cal.internode_allreduce_busbw / 1e9:,.3f} GB/s + "
+            f"{(cal.internode_allreduce_latency_s or 0) * 1e6:.0f} us per step, all-gather "
+            f"{cal.internode_allgather_busbw / 1e9:,.3f} GB/s + {(cal.internode_allgather_latency_s or 0) * 1e6:.0f} us"
+            f"{_scatter(cal, 'internode_')}"
+        )
+    return (
+        f"{cal.host} ({cal.device}), per rank of {cal.ranks}: matmul {cal.matmul_flops / 1e9:,.1f} GFLOP/s "
+        f"({cal.matmul_dtype}; {low[3] / 1e9:,.1f} at {int(low[0])}x{int(low[1])}x{int(low[2])}), copy "
+        f"{cal.memory_bw / 1e9:,.1f} GB/s ({cal.copy[0][1] / 1e9:,.1f} at {cal.copy[0][0] / 2**10:,.0f} KiB), "
+        f"{(cal.op_overhead_s or 0.0) * 1e6:.1f} us per dispatched op{_attention(cal)}; {comm}{_sharing(cal)}"
+    )
+
+
+def _scatter(cal, prefix: str = "") -> str:
+    """The reduce-scatter fit (inside a node, or across nodes with prefix "internode_") for bench's summary line."""
+    busbw, latency = getattr(cal, f"{prefix}reducescatter_busbw"), getattr(cal, f"{prefix}reducescatter_latency_s")
+    if not busbw:
+        return ""
+    digits = 3 if prefix else 2
+    return f", reduce-scatter {busbw / 1e9:,.{digits}f} GB/s + {(latency or 0) * 1e6:.0f} us"
+
+
+def _attention(cal) -> str:
+    """The attention curve's range, and what a real step achieved (CPU), for bench's summary line."""
+    if not cal.attention:
+        return ""
+    lo, hi = min(cal.attention, key=lambda p: p[2]), max(cal.attention, key=lambda p: p[2])
+    out = f", attention {lo[2] / 1e9:,.1f}-{hi[2] / 1e9:,.1f} GFLOP/s (seq {int(lo[0])}-{int(hi[0])})"
+    if cal.step_pointwise_bw:
+        out += f"; in a real step: memory-bound ops {cal.step_pointwise_bw / 1e9:,.1f} GB/s"
+    return out
+
+
+def _sharing(cal) -> str:
+    """How the CPU ranks share the host, as bench measured it (empty on GPUs)."""
+    if cal.host_cores is None:
+        return ""
+
+    def curve(points) -> str:
+        return ", ".join(f"+{x * 1e3:.1f} ms after {g * 1e3:.0f} ms" for g, x in points)
+
+    waits, across = curve(cal.collective_amid_compute), curve(cal.internode_collective_amid_compute)
+    return (
+        f"; {cal.host_cores} cores"
+        + (f"; a collective amid compute waits {waits}" if waits else "")
+        + (f" (across the nodes {across})" if across else "")
+    )
 
 
 def _positive(value) -> bool:
@@ -135,12 +202,7 @@ def load_calibration(path: str | Path) -> Calibration:
     """Read a calibration TOML; CalibrationError names the problem."""
     p = Path(path)
     where = f"calibration file {str(p)!r}"
-    if not p.is_file():
-        raise CalibrationError(f"{where}: not found; write one with `scaletrain bench --output {p}`")
-    try:
-        tree = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise CalibrationError(f"{where}: not valid TOML: {e}") from None
+    tree = read_toml(p, "calibration file", CalibrationError, f"write one with `scaletrain bench --output {p}`")
     names = {f.name: f for f in dataclasses.fields(Calibration)}
     unknown = sorted(set(tree) - set(names))
     if unknown:

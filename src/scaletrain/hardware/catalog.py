@@ -524,19 +524,20 @@ LINKS: dict[str, LinkSpec] = {
 DEFAULT_NICS_PER_GPU = 1.0
 
 
-def get_gpu(name: str, extra: dict[str, GPUSpec] | None = None) -> GPUSpec:
-    """The catalog entry (or a cluster file's custom one) named `name`; ValueError lists the choices."""
+def get_gpu(name: str, extra: dict[str, GPUSpec] | None = None, field: str = "--gpu") -> GPUSpec:
+    """The catalog entry (or a cluster file's custom one) named `name`; ValueError naming `field` (what the user
+    called it) lists the choices."""
     table = {**GPUS, **(extra or {})}
     key = name.strip().lower()
     if key not in table:
-        raise ValueError(f"--gpu: unknown GPU {name!r}; choose one of {', '.join(table)}")
+        raise ValueError(f"{field}: unknown GPU {name!r}; choose one of {', '.join(table)}")
     return table[key]
 
 
-def get_link(name: str, extra: dict[str, LinkSpec] | None = None) -> LinkSpec:
-    """The link named `name`; ValueError lists the choices."""
+def get_link(name: str, extra: dict[str, LinkSpec] | None = None, field: str = "--interconnect") -> LinkSpec:
+    """The link named `name`; ValueError naming `field` lists the choices."""
     table = {**LINKS, **(extra or {})}
     key = name.strip().lower()
     if key not in table:
-        raise ValueError(f"--interconnect: unknown link {name!r}; choose from {', '.join(table)}")
+        raise ValueError(f"{field}: unknown link {name!r}; choose from {', '.join(table)}")
     return table[key]

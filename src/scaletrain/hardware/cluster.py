@@ -23,7 +23,6 @@ GPUs and links the catalog lacks:
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -32,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scaletrain.config.load import validation_error_line
 from scaletrain.hardware.catalog import GB, TB, TFLOPS, GPUSpec, LinkSpec, get_gpu, get_link
+from scaletrain.config.toml_file import read_toml
 
 # Data-centre overheads: placeholders, not datasheet figures (formulas.md has none); a cluster file overrides them.
 DEFAULT_PUE = 1.3  # unconfirmed: a typical modern data-centre PUE
@@ -188,6 +188,21 @@ class Cluster:
         return dataclasses.replace(self, gpus=gpus)
 
 
+@dataclass(frozen=True)
+class ClusterFields:
+    """What the user called make_cluster's inputs, for its one-line errors: `scaletrain plan`'s flags (FLAGS), a
+    cluster file's keys (FILE_KEYS), or --compare-gpus for the GPU types compared."""
+
+    gpu: str = "--gpu"
+    interconnect: str = "--interconnect"
+    gpus: str = "--gpus"
+    gpus_per_node: str = "--gpus-per-node"
+
+
+FLAGS = ClusterFields()
+FILE_KEYS = ClusterFields("gpu", "intra_node_link/inter_node_link", "nodes/gpus_per_node", "gpus_per_node")
+
+
 def make_cluster(
     gpu: str,
     gpus: int,
@@ -200,27 +215,32 @@ def make_cluster(
     extra_gpus: dict[str, GPUSpec] | None = None,
     extra_links: dict[str, LinkSpec] | None = None,
     name: str = "cluster",
+    fields: ClusterFields = FLAGS,
 ) -> Cluster:
-    """A cluster of `gpus` GPUs of type `gpu`; interconnect is "INTRA[,INTER]" link names. ValueError on bad input."""
-    spec = get_gpu(gpu, extra_gpus)
+    """A cluster of `gpus` GPUs of type `gpu`; interconnect is "INTRA[,INTER]" link names. ValueError (one line
+    naming the input as `fields` calls it) on bad input."""
+    spec = get_gpu(gpu, extra_gpus, fields.gpu)
     if gpus < 1:
-        raise ValueError(f"--gpus: must be at least 1 (got {gpus})")
+        raise ValueError(f"{fields.gpus}: must be at least 1 (got {gpus})")
     intra_name, inter_name = spec.default_intra_link, spec.default_inter_link
     if interconnect:
         parts = [p.strip() for p in interconnect.split(",") if p.strip()]
         if not parts or len(parts) > 2:
-            raise ValueError(f"--interconnect: expected INTRA[,INTER] such as nvlink4,ib-ndr (got {interconnect!r})")
+            raise ValueError(
+                f"{fields.interconnect}: expected INTRA[,INTER] such as nvlink4,ib-ndr (got {interconnect!r})"
+            )
         intra_name = parts[0]
         inter_name = parts[1] if len(parts) > 1 else inter_name
-    intra, inter = get_link(intra_name, extra_links), get_link(inter_name, extra_links)
+    intra = get_link(intra_name, extra_links, fields.interconnect)
+    inter = get_link(inter_name, extra_links, fields.interconnect)
     if intra.kind != "intra":
         raise ValueError(
-            f"--interconnect: {intra.name} links nodes, not GPUs inside a node; put it second "
+            f"{fields.interconnect}: {intra.name} links nodes, not GPUs inside a node; put it second "
             f"(e.g. nvlink4,{intra.name})"
         )
     if inter.kind != "inter":
         raise ValueError(
-            f"--interconnect: {inter.name} is a link inside a node; the second link must join nodes "
+            f"{fields.interconnect}: {inter.name} is a link inside a node; the second link must join nodes "
             f"(e.g. ib-ndr, roce-400)"
         )
     gpn = gpus_per_node or spec.default_gpus_per_node
@@ -228,8 +248,8 @@ def make_cluster(
         gpn = gpus
     elif gpus % gpn:
         raise ValueError(
-            f"--gpus: {gpus} GPUs are not a whole number of {gpn}-GPU nodes; use a multiple of {gpn} "
-            f"or set --gpus-per-node"
+            f"{fields.gpus}: {gpus} GPUs are not a whole number of {gpn}-GPU nodes; use a multiple of {gpn} "
+            f"or set {fields.gpus_per_node}"
         )
     nics = nics_per_node if nics_per_node is not None else gpn
     overhead = node_overhead_w if node_overhead_w is not None else DEFAULT_NODE_OVERHEAD_FRACTION * gpn * spec.power_w
@@ -275,14 +295,7 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
     """Read a TOML cluster file; `gpus` (default: all of it) takes part of it. ClusterFileError: one line."""
     p = Path(path)
     where = f"cluster file {str(p)!r}"
-    if not p.is_file():
-        raise ClusterFileError(f"{where}: not found; pass an existing .toml file")
-    try:
-        tree = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ClusterFileError(f"{where}: not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise ClusterFileError(f"{where}: not UTF-8 text") from None
+    tree = read_toml(p, "cluster file", ClusterFileError)
     try:
         f = ClusterFile.model_validate(tree)
     except ValidationError as e:
@@ -297,9 +310,9 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
     interconnect = None
     if f.intra_node_link or f.inter_node_link:
         try:
-            spec = get_gpu(f.gpu, gpus_defined)
+            spec = get_gpu(f.gpu, gpus_defined, FILE_KEYS.gpu)
         except ValueError as e:
-            raise ClusterFileError(f"{where}: gpu: {str(e).split(': ', 1)[1]}") from None
+            raise ClusterFileError(f"{where}: {e}") from None
         interconnect = f"{f.intra_node_link or spec.default_intra_link},{f.inter_node_link or spec.default_inter_link}"
     try:
         return make_cluster(
@@ -314,13 +327,7 @@ def load_cluster(path: str | Path, gpus: int | None = None) -> Cluster:
             gpus_defined,
             links_defined,
             f.name,
+            FILE_KEYS,
         )
     except ValueError as e:
-        msg = str(e)
-        for flag, key in (
-            ("--gpu:", "gpu:"),
-            ("--interconnect:", "intra_node_link/inter_node_link:"),
-            ("--gpus:", "nodes/gpus_per_node:"),
-        ):
-            msg = msg.replace(flag, key)
-        raise ClusterFileError(f"{where}: {msg}") from None
+        raise ClusterFileError(f"{where}: {e}") from None

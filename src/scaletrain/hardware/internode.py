@@ -19,17 +19,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from scaletrain.hardware.bench import (
-    KIB,
-    MIB,
-    COLLECTIVES,
-    _median_seconds,
-    _sync_extra_seconds,
-    collective_functions,
-    fit_latency_bandwidth,
-    ring_terms,
-    sync_extras,
-)
+from scaletrain.hardware.fit import fit_latency_bandwidth, ring_terms, sync_extras
+from scaletrain.hardware.kernels import COLLECTIVES, KIB, MIB, collective_functions
+from scaletrain.hardware.timing import median_seconds, sync_extra_seconds
 
 INTERNODE_BYTES = (64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB)  # up to the --size-mb message
 SAMPLES = 5
@@ -51,8 +43,8 @@ def measure_world_collectives(
     """One rank under the torchrun agent: all-reduce, all-gather and reduce-scatter over every rank of every node
     at each of `sizes` bytes; (bytes, seconds of the slowest rank) per kind, the same on every rank. The
     all-gather's bytes are its gathered output and the reduce-scatter's its full input, as in bench.py. On CPUs
-    also "sync": what an all-gather over every rank costs after compute on every rank (bench.py's
-    _sync_extra_seconds, over the nodes), as rank 0 measured it.
+    also "sync": what an all-gather over every rank costs after compute on every rank (timing.py's
+    sync_extra_seconds, over the nodes), as rank 0 measured it.
 
     Then the same inside each node ("node_" + kind, "node_sync"; more than one rank per node), every node at
     once, as training runs them: the local bench measured them while the other nodes were at other work, or done
@@ -96,11 +88,11 @@ def _time_collectives(sizes: tuple[int, ...], size: int, group, device, amid: bo
         ):
             dist.barrier()
             inner = min(5, max(1, MIB // nbytes))  # the same count on every rank
-            slowest = torch.tensor([_median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
+            slowest = torch.tensor([median_seconds(fn, sync, inner, SAMPLES)], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends with its slowest rank
             out[kind].append((nbytes_of, float(slowest.cpu())))
     if amid and device.type == "cpu":  # ranks sharing cores (docs/planner.md): a collective amid compute
-        points = torch.tensor(_sync_extra_seconds(size, dist.barrier, gather), dtype=torch.float64)
+        points = torch.tensor(sync_extra_seconds(size, dist.barrier, gather), dtype=torch.float64)
         dist.broadcast(points, 0)  # rank 0's, on every rank (the agent returns any rank's)
         out["sync"] = [(float(g), float(c)) for g, c in points]
     return out
@@ -109,7 +101,7 @@ def _time_collectives(sizes: tuple[int, ...], size: int, group, device, amid: bo
 def fit_seconds(points, steps: float, volume: float) -> tuple[float, float]:
     """(latency per ring step in s, bus bandwidth in bytes/s) of t = steps x latency + volume x bytes / busbw, least
     squares on the seconds themselves: across a slow link the large messages carry the bandwidth, and on a loaded
-    host the small ones' few milliseconds are mostly noise (bench.py's relative-error fit let one noisy 64 KiB point
+    host the small ones' few milliseconds are mostly noise (fit.py's relative-error fit let one noisy 64 KiB point
     pull a 1 Gbit/s link's busbw 30 % high). A negative latency (noise) falls back to a bandwidth-only fit."""
     size = np.asarray([p[0] for p in points], dtype=np.float64)
     sec = np.asarray([p[1] for p in points], dtype=np.float64)
@@ -121,7 +113,7 @@ def fit_seconds(points, steps: float, volume: float) -> tuple[float, float]:
 
 def internode_fields(points: dict[str, list], nodes: int, per_node: int) -> dict:
     """Calibration fields of the world collectives measured over `nodes` x `per_node` ranks; the wait of one amid
-    compute is its cost beyond what the all-gather fit charges for SYNC_BYTES (as bench.py's run_bench)."""
+    compute is its cost beyond what the all-gather fit charges for SYNC_BYTES (as bench.py's calibration_from)."""
     n = nodes * per_node
     ar_lat, ar_bw = fit_seconds(points["all_reduce"], *ring_terms("all_reduce", n))
     ag_lat, ag_bw = fit_seconds(points["all_gather"], *ring_terms("all_gather", n))

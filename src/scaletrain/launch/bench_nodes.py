@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import torch
 
-from scaletrain.hardware.bench import MIB, run_bench
 from scaletrain.hardware.calibration import Calibration
 from scaletrain.hardware.internode import (
     STORE_TIMEOUT_S,
@@ -22,6 +21,8 @@ from scaletrain.hardware.internode import (
     measure_world_collectives,
     message_sizes,
 )
+from scaletrain.hardware.kernels import MIB
+from scaletrain.launch.bench_local import run_bench
 
 
 def _node_record(node_rank: int, addr: str, nproc: int, sizes: tuple[int, ...]) -> dict:
@@ -88,7 +89,9 @@ def measure_across_nodes(
     from scaletrain.launch import network
     from scaletrain.launch.local import agent_config, open_rendezvous
 
-    rdzv = open_rendezvous(LaunchConfig(nnodes=nodes, node_rank=node_rank, rdzv_endpoint=endpoint))
+    # unvalidated: open_rendezvous checks the endpoint and names it as the flag (a ValidationError would not)
+    launch = LaunchConfig.model_construct(nnodes=nodes, node_rank=node_rank, rdzv_endpoint=endpoint)
+    rdzv = open_rendezvous(launch, network.NODE_FLAGS)
     store = _store(rdzv.endpoint, rdzv.server)
     sizes = message_sizes(max_bytes)
     problem = compare_nodes(

@@ -20,8 +20,29 @@ from scaletrain.launch import network
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick), for ranks of this host to meet at."""
     with network.listening_socket(network.LOOPBACK, 0) as s:
         return s.getsockname()[1]
+
+
+def _run_rank(rank: int, fn, nproc: int, port: int, args: tuple, out) -> None:
+    out.put((rank, fn(rank, nproc, port, *args)))
+
+
+def run_local_ranks(fn, nproc: int, args: tuple = (), start_method: str = "spawn") -> list:
+    """`fn(rank, nproc, port, *args)` in `nproc` fresh local processes meeting at 127.0.0.1:port (a free port),
+    without the torchrun agent (no rendezvous, no restarts: a measurement, not a job); each rank's return value,
+    by rank. One rank runs here with port None. ProcessRaisedException when a rank raises."""
+    import torch.multiprocessing as mp
+
+    if nproc == 1:
+        return [fn(0, 1, None, *args)]
+    out = mp.get_context(start_method).SimpleQueue()
+    mp.start_processes(
+        _run_rank, args=(fn, nproc, free_port(), args, out), nprocs=nproc, join=True, start_method=start_method
+    )
+    results = dict(out.get() for _ in range(nproc))
+    return [results[r] for r in range(nproc)]
 
 
 @dataclass
@@ -33,18 +54,18 @@ class LocalRendezvous:
     server: object | None  # the rendezvous TCPStore when this host serves it (kept alive for the whole run)
 
 
-def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
-    """Bind the rendezvous store if this host serves it. ValueError (one line naming the field) for a bad endpoint,
-    address or taken port, before any rank starts."""
-    host, port = network.split_endpoint(launch.rdzv_endpoint)
-    listen_addr = network.listen_address(launch.nnodes, launch.rdzv_endpoint, launch.local_addr)
+def open_rendezvous(launch: LaunchConfig, fields: network.EndpointFields = network.CONFIG_FIELDS) -> LocalRendezvous:
+    """Bind the rendezvous store if this host serves it. ValueError (one line naming the field as `fields` calls
+    it) for a bad endpoint, address or taken port, before any rank starts."""
+    host, port = network.split_endpoint(launch.rdzv_endpoint, fields.endpoint)
+    listen_addr = network.listen_address(launch.nnodes, launch.rdzv_endpoint, launch.local_addr, fields)
     if launch.nnodes == 1:
         host = network.LOOPBACK  # one host: no other machine needs to reach the store, whatever host was named
     else:
-        host = network.resolve(host)
+        host = network.resolve(host, fields.endpoint)
         if ipaddress.ip_address(host).is_loopback:
             raise ValueError(
-                f"launch.rdzv_endpoint: {launch.rdzv_endpoint} is a loopback address; a multi-node "
+                f"{fields.endpoint}: {launch.rdzv_endpoint} is a loopback address; a multi-node "
                 f"run needs the rendezvous host's address every node can reach"
             )
         if host not in network.local_addresses():
@@ -56,7 +77,7 @@ def open_rendezvous(launch: LaunchConfig) -> LocalRendezvous:
             # another node's agent on this same machine got there first and serves it (torch does the same)
             return LocalRendezvous(f"{host}:{port}", listen_addr, None)
         raise ValueError(
-            f"launch.rdzv_endpoint: cannot listen on {host}:{port} ({e.strerror}); pick a free port or port 0"
+            f"{fields.endpoint}: cannot listen on {host}:{port} ({e.strerror}); pick a free port or port 0"
         ) from None
     port = sock.getsockname()[1]
     server = network.tcp_store_server(host, port, timeout_s=300, sock=sock)

@@ -117,6 +117,21 @@ class HFAdapter(ABC):
         return [out / "config.json"]
 
 
+@dataclass(frozen=True)
+class TPWords:
+    """What a front end calls the things a tensor-parallel refusal points at (check_tp's one-line errors): the
+    trainer's config keys by default (CONFIG_TP_WORDS), setup()'s arguments there (api.py)."""
+
+    tp: str = "parallel.tp"  # the degree
+    tp_off: str = "parallel.tp=1"  # the setting that turns it off
+    no_plan_fix: str = "use parallel.tp=1"  # the fix when no plan splits the model
+    fsdp: str = "parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup()"  # shard instead
+    config: str | None = None  # prefix of the model's config fields; None: the spec's own (model., config.json's)
+
+
+CONFIG_TP_WORDS = TPWords()
+
+
 class ModelSpec(ABC):
     """One model family's answers, bound to one shape (`args`, the family's own frozen dataclass)."""
 
@@ -200,9 +215,9 @@ class ModelSpec(ABC):
         return ()
 
     # -- tensor parallelism ---------------------------------------------------------------------------------
-    def check_tp(self, tp: int) -> None:
-        """ValueError (one line) when `tp` cannot split this model's heads or matmuls."""
-        raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+        """ValueError (one line, in `words`) when `tp` cannot split this model's heads or matmuls."""
+        raise ValueError(f"{words.tp}: the {self.family} family has no tensor-parallel plan; {words.no_plan_fix}")
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         """{module path: ParallelStyle} for `model` (or a stage of it)."""
@@ -316,13 +331,13 @@ def prune_stage(model: nn.Module, blocks: str, bounds: tuple[int, int], drop: tu
     return part
 
 
-def check_tp_divides(tp: int, where: str = "model.", **sizes: int) -> None:
-    """ValueError (one line, naming the field) when tp does not divide one of the model's `sizes` (heads,
-    matmul dims, vocabulary): each rank needs a whole share. `where`: what the field names start with, as the user
-    wrote them (the job config's `model.`, or a config file's)."""
+def check_tp_divides(tp: int, words: TPWords = CONFIG_TP_WORDS, **sizes: int) -> None:
+    """ValueError (one line, naming the field as `words` does; its config prefix defaults to `model.`) when tp does
+    not divide one of the model's `sizes` (heads, matmul dims, vocabulary): each rank needs a whole share."""
+    prefix = "model." if words.config is None else words.config
     for field, value in sizes.items():
         if value % tp:
             raise ValueError(
-                f"parallel.tp: {tp} does not divide {where}{field}={value}; "
+                f"{words.tp}: {tp} does not divide {prefix}{field}={value}; "
                 f"pick a tp that divides it (each rank needs a whole share)"
             )

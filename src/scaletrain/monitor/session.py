@@ -2,7 +2,7 @@
 end-of-run diagnosis, behind a handful of calls so the loop stays readable:
 
     run = begin_run(run_dir, rank, start_step)   # run_record.py: fresh or resumed, before any file is opened
-    mon = TrainMonitor(cfg.monitor, run_dir, run, ...)
+    mon = TrainMonitor(cfg.monitor, MonitorContext(run_dir, run, ...))
     with mon.phase("data"): ...                  # also forward/backward inside forward_backward(timer=mon.timer)
     record = mon.on_log(record)                  # at log steps, on every rank (one small all-gather)
     mon.step_end(step)                           # profiler schedule
@@ -12,11 +12,12 @@ end-of-run diagnosis, behind a handful of calls so the loop stays readable:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from scaletrain.config.schema import MonitorConfig
 from scaletrain.monitor.diagnosis import Thresholds, diagnose, flagged
 from scaletrain.monitor.faults import injected_delays
 from scaletrain.monitor.metrics import JsonlSink, read_jsonl
@@ -68,81 +69,93 @@ def read_top_ops(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class MonitorContext:
+    """The run a TrainMonitor watches, beyond its [monitor] section: where its files go and from which step, which
+    rank on which device, and the model trained (for the phase timer and MFU)."""
+
+    out: Path  # the run folder
+    run: RunRecord
+    start_step: int  # the step the run resumed from (0: a fresh run)
+    rank: int
+    world_size: int
+    device: torch.device
+    model: torch.nn.Module
+    flops_per_token: float | None  # model FLOPs of one token's forward + backward; None: no MFU
+    dtype: str  # the compute dtype, whose peak FLOP/s MFU divides by
+    layout: str  # the parallel layout, as meta.json names it
+    pipeline_stages: tuple[torch.nn.Module, ...] = ()  # this rank's stages when a schedule runs them: timed by hooks
+    pp_bubble: float | None = None  # the schedule's predicted idle share, reported beside the measured one
+
+
 class TrainMonitor:
-    def __init__(
-        self,
-        cfg,
-        out: Path,
-        run: RunRecord,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        model: torch.nn.Module,
-        flops_per_token: float | None,
-        dtype: str,
-        start_step: int,
-        layout: str,
-        pipeline_stages: list[torch.nn.Module] | None = None,
-        pp_bubble: float | None = None,
-    ):
-        """pipeline_stages: this rank's stage modules when a pipeline schedule runs them (their forward passes
-        are timed by hooks); pp_bubble: the schedule's predicted idle share, reported beside the measured one."""
-        self.cfg, self.out, self.run, self.rank, self.device = cfg, out, run, rank, device
-        inject = injected_delays(rank)  # $SCALETRAIN_FAULTS, tests only; a malformed value fails every rank here
+    def __init__(self, cfg: MonitorConfig, ctx: MonitorContext):
+        """The monitor of one rank, built from its [monitor] section: phase timer, device sampler, profiler
+        window, MFU; rank 0 writes monitor/meta.json."""
+        self.cfg, self.out, self.run, self.rank, self.device = cfg, ctx.out, ctx.run, ctx.rank, ctx.device
+        inject = injected_delays(ctx.rank)  # $SCALETRAIN_FAULTS, tests only; a malformed value fails every rank here
+        stages = list(ctx.pipeline_stages) or None
         self.timer = (
-            StepTimer(device, model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=pipeline_stages)
+            StepTimer(ctx.device, ctx.model, nvtx=cfg.nvtx, inject=inject, pipeline_stages=stages)
             if cfg.breakdown
             else NULL_TIMER
         )
         # rank 0 alone finds the peak (a probe on a host's first run): ranks sharing its cores would skew it
-        self.peak, self.peak_source = from_rank0(lambda: peak_flops(device, dtype, world_size), rank)
-        if rank == 0 and self.peak is None:
+        self.peak, self.peak_source = from_rank0(lambda: peak_flops(ctx.device, ctx.dtype, ctx.world_size), ctx.rank)
+        if ctx.rank == 0 and self.peak is None:
             log.warning("MFU —: %s", self.peak_source)
-        self.flops_per_token = flops_per_token
-        self.pp_bubble_predicted = pp_bubble
-        self.sampler = None
-        if cfg.sample_interval_s > 0:
-            from scaletrain.monitor.sampler import DeviceSampler
+        self.flops_per_token = ctx.flops_per_token
+        self.pp_bubble_predicted = ctx.pp_bubble
+        self.sampler = self._open_sampler(ctx) if cfg.sample_interval_s > 0 else None
+        self.profiler = self._open_profiler(ctx) if cfg.profile_at_step else None
+        if ctx.rank == 0:
+            self._write_meta(ctx)
 
-            self.sampler = DeviceSampler(
-                out / "monitor" / f"samples_rank{rank}.jsonl",
-                rank,
-                device,
-                cfg.sample_interval_s,
-                t0=run.started_at,
-                append=run.continue_files,
-            ).start()
-        self.profiler = None
-        if cfg.profile_at_step:
-            from scaletrain.monitor.profiler import ProfilerWindow
+    def _open_sampler(self, ctx: MonitorContext):
+        from scaletrain.monitor.sampler import DeviceSampler
 
-            self.profiler = ProfilerWindow(
-                out / "profile",
-                rank,
-                device,
-                start_step + 1,
-                cfg.profile_at_step,
-                cfg.profile_wait,
-                cfg.profile_warmup,
-                cfg.profile_active,
-                timer=self.timer if self.timer.enabled else None,
-            )
-        if rank == 0:
-            (out / "monitor").mkdir(parents=True, exist_ok=True)
-            meta = {
-                "device": device.type,
-                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
-                "world_size": world_size,
-                "layout": layout,
-                "dtype": dtype,
-                "peak_flops": self.peak,
-                "peak_source": self.peak_source,
-                "flops_per_token": flops_per_token,
-                "mfu_convention": MFU_CONVENTION,
-                "pp_bubble_predicted": self.pp_bubble_predicted,
-                "thresholds": asdict(thresholds(cfg)),
-            }
-            (out / "monitor" / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        return DeviceSampler(
+            ctx.out / "monitor" / f"samples_rank{ctx.rank}.jsonl",
+            ctx.rank,
+            ctx.device,
+            self.cfg.sample_interval_s,
+            t0=ctx.run.started_at,
+            append=ctx.run.continue_files,
+        ).start()
+
+    def _open_profiler(self, ctx: MonitorContext):
+        from scaletrain.monitor.profiler import ProfilerWindow
+
+        cfg = self.cfg
+        return ProfilerWindow(
+            ctx.out / "profile",
+            ctx.rank,
+            ctx.device,
+            ctx.start_step + 1,
+            cfg.profile_at_step,
+            cfg.profile_wait,
+            cfg.profile_warmup,
+            cfg.profile_active,
+            timer=self.timer if self.timer.enabled else None,
+        )
+
+    def _write_meta(self, ctx: MonitorContext) -> None:
+        """monitor/meta.json: what the figures were measured on and against (rank 0)."""
+        (ctx.out / "monitor").mkdir(parents=True, exist_ok=True)
+        meta = {
+            "device": ctx.device.type,
+            "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "CPU",
+            "world_size": ctx.world_size,
+            "layout": ctx.layout,
+            "dtype": ctx.dtype,
+            "peak_flops": self.peak,
+            "peak_source": self.peak_source,
+            "flops_per_token": ctx.flops_per_token,
+            "mfu_convention": MFU_CONVENTION,
+            "pp_bubble_predicted": self.pp_bubble_predicted,
+            "thresholds": asdict(thresholds(self.cfg)),
+        }
+        (ctx.out / "monitor" / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
     def phase(self, name: str):
         return self.timer.phase(name)

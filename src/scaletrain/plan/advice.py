@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.hardware.cluster import DEFAULT_PUE, Cluster, make_cluster
+from scaletrain.hardware.cluster import DEFAULT_PUE, Cluster, ClusterFields, make_cluster
 from scaletrain.plan.layout import Workload
 from scaletrain.plan.search import PlanResult, PlanRow, SearchOptions, search_layouts
 
@@ -177,13 +177,20 @@ def compare_gpus(
     usd_per_gpu_hour: float | None = None,
     pue: float | None = None,
 ) -> list[Budget]:
-    """The same workload and token budget on `gpus` GPUs of each type, each with its usual links."""
+    """The same workload and token budget on `gpus` GPUs of each type, each with its usual links. ValueError naming
+    --compare-gpus for an unknown type."""
     out = []
+    fields = ClusterFields(gpu="--compare-gpus")
     for name in gpu_names:
-        probe = make_cluster(name, gpus)
+        probe = make_cluster(name, gpus, fields=fields)
         interconnect = f"{probe.intra_link.name},{inter_link}" if inter_link else None
         cluster = make_cluster(
-            name, gpus, interconnect, usd_per_gpu_hour=usd_per_gpu_hour, pue=DEFAULT_PUE if pue is None else pue
+            name,
+            gpus,
+            interconnect,
+            usd_per_gpu_hour=usd_per_gpu_hour,
+            pue=DEFAULT_PUE if pue is None else pue,
+            fields=fields,
         )
         out.append(budget_for(search_layouts(work, cluster, opts), tokens))
     return out

@@ -257,16 +257,6 @@ def trainer_model_state_bytes(
     return {"parameters": 4.0 * numel, "gradients": grads, "optimizer states": 8.0 * numel + 4.0 * tensors}
 
 
-def offload_traffic_bytes(n_local, accumulation, unsharded_grads, reshard_after_forward: bool = True):
-    """Host<->device bytes per optimizer step and rank under CPU offload: each micro-batch copies the fp32 shard
-    of every parameter to the device before each all-gather (forward, and backward again when blocks reshard
-    after forward) and its reduced fp32 gradient shard back (once per step when accumulating unsharded)."""
-    m = np.asarray(accumulation, dtype=np.float64)
-    gathers = 2.0 if reshard_after_forward else 1.0
-    grad_copies = np.where(unsharded_grads, 1.0, m)
-    return 4.0 * np.asarray(n_local) * (m * gathers + grad_copies)
-
-
 # ---------------------------------------------------------------------------------------- per-layout breakdown
 def memory_breakdown(
     work: Workload,

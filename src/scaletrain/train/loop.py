@@ -18,7 +18,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.monitor import StepProgress, configure_logging, log
 from scaletrain.monitor.run_record import begin_run
-from scaletrain.monitor.session import TrainMonitor, open_sinks
+from scaletrain.monitor.session import MonitorContext, TrainMonitor, open_sinks
 from scaletrain.parallel.compile import CompileProbe
 from scaletrain.train.preemption import PreemptionWatch
 from scaletrain.train.trainer import NonFiniteError, StepResult, Trainer
@@ -122,21 +122,21 @@ class _Outputs:
         self.progress = StepProgress(
             cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console
         )
-        self.monitor = TrainMonitor(
-            cfg.monitor,
+        context = MonitorContext(
             out,
             run,
+            start_step,
             rt.rank,
             rt.world_size,
             rt.device,
             trainer.model.module,
             trainer.task.flops_per_unit(cfg, trainer.spec),
             cfg.precision.dtype,
-            start_step,
             trainer.layout.describe_mesh(),
-            pipeline_stages=trainer.model.stages or None,
+            pipeline_stages=tuple(trainer.model.stages),
             pp_bubble=pipeline.bubble if pipeline is not None else None,
         )
+        self.monitor = TrainMonitor(cfg.monitor, context)
 
     def write(self, record: dict) -> None:
         if self.sink is not None:

@@ -5,11 +5,20 @@ does not say (which ModuleList holds the decoder layers), by transformers' own a
 from __future__ import annotations
 
 import copy
+import dataclasses
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from scaletrain.models.hf.args import HFArgs, read_folder
-from scaletrain.models.spec import DecoderShape, HFAdapter, ModelSpec, check_tp_divides, init_by_name
+from scaletrain.models.spec import (
+    CONFIG_TP_WORDS,
+    DecoderShape,
+    HFAdapter,
+    ModelSpec,
+    TPWords,
+    check_tp_divides,
+    init_by_name,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -277,10 +286,10 @@ class HFSpec(ModelSpec):
         return layer_costs(self._shape(), seq_len)
 
     # -- tensor parallelism ---------------------------------------------------------------------------------
-    def check_tp(self, tp: int) -> None:
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
         from scaletrain.models.hf.tp import check_plan
 
-        check_plan(self, tp)
+        check_plan(self, tp, words)
         d = self._dims()
         sizes = {
             "num_attention_heads": d["num_attention_heads"],
@@ -291,7 +300,9 @@ class HFSpec(ModelSpec):
         }
         if self.n_experts:
             sizes["num_experts"] = self.n_experts
-        check_tp_divides(tp, self.config_fields, **sizes)
+        if words.config is None:  # the fields are config.json's, not model.*
+            words = dataclasses.replace(words, config=self.config_fields)
+        check_tp_divides(tp, words, **sizes)
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
         from scaletrain.models.hf.tp import hf_tp_plan

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from scaletrain.models.spec import CONFIG_TP_WORDS, TPWords
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -63,15 +65,15 @@ def conv1d_plan(spec: Any) -> dict[str, str]:
     return dict(CONV1D_PLAN)
 
 
-def check_plan(spec: Any, tp: int) -> None:
-    """ValueError (one line) when tensor parallelism cannot split this model correctly."""
+def check_plan(spec: Any, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+    """ValueError (one line, in `words`) when tensor parallelism cannot split this model correctly."""
     plan = base_plan(spec)
     if not plan and conv1d_plan(spec):
         return
     if not plan:
         raise ValueError(
-            f"parallel.tp: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
-            f"and fused or non-Linear projections cannot be split safely by structure; use parallel.tp=1"
+            f"{words.tp}: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
+            f"and fused or non-Linear projections cannot be split safely by structure; {words.no_plan_fix}"
         )
     if spec.n_experts:
         # transformers keeps each layer's experts packed in [experts, rows, cols] tensors. Up to 5.24 its TP plan
@@ -83,16 +85,16 @@ def check_plan(spec: Any, tp: int) -> None:
         if not experts or any(s not in KNOWN for s in experts.values()):
             what = ", ".join(sorted(experts)) or "not in its base_model_tp_plan"
             raise ValueError(
-                f"parallel.tp: {spec.architecture}'s {spec.n_experts} experts ({what}) are packed tensors "
-                f"scaletrain's tensor parallelism does not split; use parallel.tp=1 and shard them with FSDP instead "
-                f"(parallel.dp_shard=<ranks>, or data_parallel='fsdp' in scaletrain.setup())"
+                f"{words.tp}: {spec.architecture}'s {spec.n_experts} experts ({what}) are packed tensors "
+                f"scaletrain's tensor parallelism does not split; use {words.tp_off} and shard them with FSDP "
+                f"instead ({words.fsdp})"
             )
     for key, style in plan.items():
         if style in KNOWN:
             continue
         raise ValueError(
-            f"parallel.tp: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
-            f"translate; use parallel.tp=1"
+            f"{words.tp}: {spec.architecture}'s plan splits {key} as {style!r}, which scaletrain does not "
+            f"translate; {words.no_plan_fix}"
         )
 
 

@@ -6,7 +6,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from scaletrain.models.llama.args import LlamaArgs
-from scaletrain.models.spec import DecoderShape, HFAdapter, ModelSpec, check_tp_divides, prune_stage
+from scaletrain.models.spec import (
+    CONFIG_TP_WORDS,
+    DecoderShape,
+    HFAdapter,
+    ModelSpec,
+    TPWords,
+    check_tp_divides,
+    prune_stage,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -54,10 +62,10 @@ class LlamaSpec(ModelSpec):
     def has_output(self, model: nn.Module) -> bool:
         return getattr(model, "output", None) is not None
 
-    def check_tp(self, tp: int) -> None:
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
         a = self.args
         check_tp_divides(
-            tp, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim, vocab_size=a.vocab_size
+            tp, words, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim, vocab_size=a.vocab_size
         )
 
     def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
