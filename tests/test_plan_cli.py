@@ -231,3 +231,29 @@ def test_bench_writes_calibration_the_planner_uses(tmp_path):
         bad = CliRunner().invoke(main, ["bench", "-o", str(tmp_path / "x.toml"), *flags])
         assert bad.exit_code == 2 and bad.stderr.count("\n") == 1, (flags, bad.output)
     assert sorted(tmp_path.iterdir()) == before  # nothing written
+
+
+def test_plan_of_a_hugging_face_folder_and_its_refusal_under_the_flag_name(tmp_path):
+    """`plan --hf DIR` plans the folder's architecture; a bad folder is one line naming --hf (the model's own
+    check raised it for model.hf), exit 2."""
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    r = run(["plan", "--hf", str(tmp_path), "--gpus", "2", "--gpu", "h100-sxm", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["model"]["name"] == "LlamaForCausalLM"
+    r = run(["plan", "--hf", str(tmp_path / "missing"), "--gpus", "2"])
+    assert r.exit_code == 2
+    assert r.output.strip().splitlines() == [
+        f"scaletrain: error: --hf: {str(tmp_path / 'missing')!r} is not a folder; point it at a local Hugging Face "
+        "model folder"
+    ]

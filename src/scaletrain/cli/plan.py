@@ -14,14 +14,17 @@ from scaletrain.cli.errors import fail
 
 def _hf_shape(path: str):
     """(decoder shape, name) of a Hugging Face folder's architecture; the spec's one-line summary on stderr."""
-    from scaletrain.models.registry import families
+    from scaletrain.config.errors import FieldError
+    from scaletrain.models.registry import spec_selected_by
 
     try:
-        spec = families()["hf"].from_folder(path)  # type: ignore[attr-defined]
+        spec = spec_selected_by("hf", path)
+    except FieldError as e:
+        fail(e.named("--hf") if e.field == "model.hf" else str(e))
     except ValueError as e:
-        fail(str(e).replace("model.hf:", "--hf:", 1))
+        fail(str(e))
     click.echo(f"scaletrain: {spec.describe()}", err=True)
-    return spec.shape(), spec.architecture
+    return spec.shape(), spec.model_name
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

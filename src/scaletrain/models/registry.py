@@ -96,6 +96,15 @@ def model_spec(cfg) -> ModelSpec:
     return type(base).from_section(keys, base.args)
 
 
+def spec_selected_by(key: str, value: object) -> ModelSpec:
+    """The spec of the family chosen by `model.<key> = value` alone (e.g. `plan --hf DIR` is model.hf = DIR);
+    ValueError (one line) when no installed family is chosen by that key, or from the family's own checks."""
+    for cls in families().values():
+        if cls.selected_by == key:
+            return cls.from_section({key: value}, None)
+    raise ValueError(f"model.{key}: no installed model family is chosen by this key")
+
+
 def spec_from_manifest(entry: dict) -> ModelSpec:
     """Rebuild the spec a checkpoint recorded (ModelSpec.manifest); ValueError when its family is not installed."""
     cls = families().get(entry.get("family", ""))

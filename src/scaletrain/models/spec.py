@@ -286,6 +286,12 @@ class ModelSpec(ABC):
         """The Hugging Face adapter, or None when the family has no transformers counterpart."""
         return None
 
+    @property
+    def model_name(self) -> str:
+        """What the planner and reports call this model: the family, or a more exact name a family knows (an HF
+        folder's architecture)."""
+        return self.family
+
     def describe(self) -> str:
         return f"{self.family} {self.args}"
 

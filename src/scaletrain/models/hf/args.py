@@ -4,6 +4,8 @@ can be checked without transformers: the folder, config.json, its JSON. No torch
 
 from __future__ import annotations
 
+from scaletrain.config.errors import FieldError
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +25,18 @@ def read_folder(path: str) -> HFArgs:
     """HFArgs of a local Hugging Face model folder; ValueError (one line, naming model.hf) when it is not one."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"model.hf: {path!r} is not a folder; point it at a local Hugging Face model folder")
+        raise FieldError("model.hf", f"{path!r} is not a folder; point it at a local Hugging Face model folder")
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise ValueError(
-            f"model.hf: {path!r} has no config.json; point it at a Hugging Face model folder "
-            f"(save_pretrained writes config.json)"
+        raise FieldError(
+            "model.hf",
+            f"{path!r} has no config.json; point it at a Hugging Face model folder "
+            f"(save_pretrained writes config.json)",
         )
     try:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model.hf: {cfg_path} is not valid JSON ({e})") from None
+        raise FieldError("model.hf", f"{cfg_path} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model_type"), str):
-        raise ValueError(f"model.hf: {cfg_path} names no model_type; it is not a transformers config.json")
+        raise FieldError("model.hf", f"{cfg_path} names no model_type; it is not a transformers config.json")
     return HFArgs(config=json.dumps(cfg, sort_keys=True), path=str(folder.resolve()))

@@ -4,6 +4,8 @@ does not say (which ModuleList holds the decoder layers), by transformers' own a
 
 from __future__ import annotations
 
+from scaletrain.config.errors import FieldError
+
 import copy
 import dataclasses
 from functools import cached_property
@@ -50,8 +52,12 @@ class HFSpec(ModelSpec):
                 raise ValueError(f"model.{key}: the shape comes from model.hf's config.json; remove model.{key}")
         folder = keys[cls.selected_by]
         if not isinstance(folder, str) or not folder:
-            raise ValueError(f"model.hf: give a local Hugging Face model folder (got {folder!r})")
+            raise FieldError("model.hf", f"give a local Hugging Face model folder (got {folder!r})")
         return cls.from_folder(folder)
+
+    @property
+    def model_name(self) -> str:
+        return self.architecture
 
     @classmethod
     def from_folder(cls, path: str) -> HFSpec:
@@ -91,9 +97,10 @@ class HFSpec(ModelSpec):
         d = dict(self.args.config_dict)
         model_type = d.pop("model_type")
         if model_type not in CONFIG_MAPPING:
-            raise ValueError(
-                f"model.hf: model_type {model_type!r} is not known to transformers {transformers.__version__}; "
-                f"upgrade transformers or pick a supported model"
+            raise FieldError(
+                "model.hf",
+                f"model_type {model_type!r} is not known to transformers {transformers.__version__}; "
+                f"upgrade transformers or pick a supported model",
             )
         for key in ("transformers_version", "architectures", "auto_map"):
             d.pop(key, None)
@@ -115,9 +122,10 @@ class HFSpec(ModelSpec):
             with quiet_imports():  # the lookup imports the modeling code, and through it torchao
                 return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
         except KeyError:
-            raise ValueError(
-                f"model.hf: {self.architecture} ({self.config.model_type}) is not a causal language model "
-                f"transformers can build (AutoModelForCausalLM); scaletrain trains decoder-only causal LMs"
+            raise FieldError(
+                "model.hf",
+                f"{self.architecture} ({self.config.model_type}) is not a causal language model "
+                f"transformers can build (AutoModelForCausalLM); scaletrain trains decoder-only causal LMs",
             ) from None
 
     @cached_property
@@ -152,11 +160,13 @@ class HFSpec(ModelSpec):
     def check(self) -> None:
         cls = self._model_class()
         if getattr(self.config, "is_encoder_decoder", False):
-            raise ValueError(f"model.hf: {self.architecture} is an encoder-decoder; scaletrain trains decoder-only LMs")
+            raise FieldError(
+                "model.hf", f"{self.architecture} is an encoder-decoder; scaletrain trains decoder-only LMs"
+            )
         try:
             self._dims()
         except AttributeError as e:
-            raise ValueError(f"model.hf: {cls.__name__}'s config lacks a decoder shape field ({e})") from None
+            raise FieldError("model.hf", f"{cls.__name__}'s config lacks a decoder shape field ({e})") from None
         self.blocks(self.meta_model)  # refuses a model whose layers cannot be found
 
     def build(self, device: torch.device | str = "meta") -> nn.Module:
@@ -196,7 +206,7 @@ class HFSpec(ModelSpec):
             elif torch.all(value == 0):
                 cache[key] = 0.0
             else:
-                raise ValueError(f"model.hf: no deterministic init for {type(module).__name__}.{leaf}")
+                raise FieldError("model.hf", f"no deterministic init for {type(module).__name__}.{leaf}")
         return cache[key]
 
     def init_buffers(self, model: nn.Module) -> None:
@@ -255,9 +265,10 @@ class HFSpec(ModelSpec):
             found = getattr(base, attr, None)
             if isinstance(found, (nn.ModuleList, nn.ModuleDict)) and len(found):
                 return cast(nn.ModuleDict, found)  # a ModuleList: parallel/blocks.py reads both
-        raise ValueError(
-            f"model.hf: no decoder layer list ({', '.join(LAYER_LISTS)}) found in {type(model).__name__}; "
-            f"this architecture is not supported"
+        raise FieldError(
+            "model.hf",
+            f"no decoder layer list ({', '.join(LAYER_LISTS)}) found in {type(model).__name__}; "
+            f"this architecture is not supported",
         )
 
     def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:

@@ -4,6 +4,8 @@ safetensors entry, so no rank holds the whole model), and the adapter export use
 
 from __future__ import annotations
 
+from scaletrain.config.errors import FieldError
+
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -79,11 +81,12 @@ class Layout:
             conv = next(c for c in converters if pattern in c.source_patterns)
             ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]
             if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
-                raise ValueError(
-                    f"model.hf: {key!r} is stored in a layout transformers converts with "
+                raise FieldError(
+                    "model.hf",
+                    f"{key!r} is stored in a layout transformers converts with "
                     f"{[type(op).__name__ for op in conv.operations]}, which scaletrain cannot read per shard; "
                     f"save the model with save_pretrained of a transformers version that packs it, or start from "
-                    f"config.json only"
+                    f"config.json only",
                 )
             star = re.escape(pattern).replace(r"\*", r"(\d+)")
             expert = int(re.search(star, apply_renamings(key, renamings)).group(1))  # type: ignore[union-attr]
@@ -109,15 +112,17 @@ def check_weights(spec: Any, folder: str | Path) -> None:
     layout = Layout(spec, sorted(where))
     if layout.extra:
         extra = sorted(layout.extra)
-        raise ValueError(
-            f"model.hf: {where[extra[0]].name} holds {extra[0]!r}, which {spec.architecture} built from config.json "
-            f"has no parameter for ({len(extra)} such tensors); the weights belong to another model"
+        raise FieldError(
+            "model.hf",
+            f"{where[extra[0]].name} holds {extra[0]!r}, which {spec.architecture} built from config.json "
+            f"has no parameter for ({len(extra)} such tensors); the weights belong to another model",
         )
     missing = sorted(n for n in expected if not layout.covers(n) and n != tied)
     if missing:
-        raise ValueError(
-            f"model.hf: the safetensors files in {str(folder)!r} lack {missing[0]!r} ({len(missing)} tensors "
-            f"missing); the weights are incomplete or belong to another model"
+        raise FieldError(
+            "model.hf",
+            f"the safetensors files in {str(folder)!r} lack {missing[0]!r} ({len(missing)} tensors "
+            f"missing); the weights are incomplete or belong to another model",
         )
 
     def shape_of(key: str) -> tuple[int, ...]:
@@ -127,20 +132,22 @@ def check_weights(spec: Any, folder: str | Path) -> None:
     for name, sources in layout.packed.items():
         shapes = [{shape_of(k) for k in per_expert} for per_expert in sources]
         if any(len(s) != 1 or len(next(iter(s))) != 2 for s in shapes) or len({len(p) for p in sources}) != 1:
-            raise ValueError(f"model.hf: the experts of {name!r} differ in shape or count; the weights are broken")
+            raise FieldError("model.hf", f"the experts of {name!r} differ in shape or count; the weights are broken")
         rows = sum(next(iter(s))[0] for s in shapes)
         packed = (len(sources[0]), rows, next(iter(shapes[0]))[1])
         if packed != expected[name]:
-            raise ValueError(
-                f"model.hf: the {len(sources[0])} experts' tensors for {name!r} pack to shape {list(packed)}, "
-                f"config.json makes it {list(expected[name])}; the weights and config.json describe different models"
+            raise FieldError(
+                "model.hf",
+                f"the {len(sources[0])} experts' tensors for {name!r} pack to shape {list(packed)}, "
+                f"config.json makes it {list(expected[name])}; the weights and config.json describe different models",
             )
     for name, key in layout.direct.items():
         shape = shape_of(key)
         if shape != expected[name]:
-            raise ValueError(
-                f"model.hf: weight {name!r} in {where[key].name} has shape {list(shape)}, config.json makes it "
-                f"{list(expected[name])}; the weights and config.json describe different models"
+            raise FieldError(
+                "model.hf",
+                f"weight {name!r} in {where[key].name} has shape {list(shape)}, config.json makes it "
+                f"{list(expected[name])}; the weights and config.json describe different models",
             )
 
 
