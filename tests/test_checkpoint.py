@@ -86,6 +86,7 @@ def clean(tmp_path_factory):
     return cwd, cwd / "runs" / "clean"
 
 
+@pytest.mark.slow  # a launch and a restart; resume bit for bit stays fast (test_corrupt_and_crafted_...)
 def test_sigkill_of_a_rank_recovers_bit_identical(clean):
     cwd, ref = clean
     proc = _start(["train", *JOB, "run.name=killed", "launch.max_restarts=2"], cwd)
@@ -110,6 +111,7 @@ def test_sigkill_of_a_rank_recovers_bit_identical(clean):
     assert losses(cwd / "runs/killed") == losses(ref)  # the replayed steps' records replace the lost ones
 
 
+@pytest.mark.slow  # a 4-rank and a 2-rank launch; resume bit for bit stays fast (test_corrupt_and_crafted_...)
 def test_preempt_then_resume_on_another_layout_and_world_size(clean):
     cwd, ref = clean
     run = cwd / "runs/moved"

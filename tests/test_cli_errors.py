@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import run_cli
+from conftest import run_cli, run_cli_in_process
 from scaletrain.cli.main import main
 
 BAD = [
@@ -99,9 +99,9 @@ def test_real_process_exit_code(tmp_path):
 
 
 def test_print_config_is_loadable_toml(tmp_path):
-    proc = run_cli(["train", "--print-config", "train.steps=5", "parallel.dp_replicate=2"], tmp_path)
+    proc = run_cli_in_process(["train", "--print-config", "train.steps=5", "parallel.dp_replicate=2"], tmp_path)
     (tmp_path / "job.toml").write_text(proc.stdout)
-    again = run_cli(["train", "job.toml", "--print-config"], tmp_path)
+    again = run_cli_in_process(["train", "job.toml", "--print-config"], tmp_path)
     assert again.stdout == proc.stdout
     assert "steps = 5" in proc.stdout
 

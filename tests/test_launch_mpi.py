@@ -70,6 +70,7 @@ def test_endpoint_rules() -> None:
     assert apply_mpi_env(torchrun) is None and torchrun["WORLD_SIZE"] == "1"  # torchrun's variables win
 
 
+@pytest.mark.slow  # a 2-rank launch; the MPI variables mapping stays fast above, a local 2-rank launch is test_parity.py's
 def test_two_processes_started_as_mpirun_does_train_together(tmp_path: Path) -> None:
     # exactly what `mpirun -np 2 -x MASTER_PORT=P scaletrain train ...` (Open MPI) puts in each process
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}

@@ -230,6 +230,7 @@ def _checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in root.glob("step_*") if re.fullmatch(r"step_\d{8}", p.name)) if root.exists() else []
 
 
+@pytest.mark.slow  # Slurm's daemons and a 2-rank job; the sbatch script's logic stays fast above (stub srun)
 def test_real_slurm_runs_a_two_rank_job(slurm_cluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "slurm2"
     proc = _launch(tmp_path, "run.name=slurm2", "checkpoint.interval_steps=10", "--job-name", NASTY, "--submit")

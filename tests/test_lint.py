@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
     [
         ["ruff", "check", "--no-cache", "."],
         ["ruff", "format", "--check", "--no-cache", "."],
-        ["mypy", "--no-incremental"],
+        # a minute or more of type checking: the full suite's (and run by hand before a commit); ruff stays fast
+        pytest.param(["mypy", "--no-incremental"], marks=pytest.mark.slow),
     ],
     ids=["ruff-check", "ruff-format", "mypy"],
 )

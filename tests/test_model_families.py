@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, losses, run_cli
+from conftest import FAST, losses, run_cli, run_cli_in_process
 from test_parallel_layouts import launch_runner, runner_losses, runner_state
 
 FAMILIES = str(Path(__file__).resolve().parent / "model_families")
@@ -48,9 +48,11 @@ def test_a_new_family_trains_under_every_data_and_pipeline_layout(mlp_runs, layo
     assert worst <= TOL, f"{layout}: a parameter differs by {worst}"
 
 
-def test_the_cli_lists_trains_checkpoints_and_exports_a_new_family(tmp_path):
+def test_the_cli_lists_trains_checkpoints_and_exports_a_new_family(tmp_path, monkeypatch):
+    # one launch; the commands that start no rank run in this process (the family is found the same way)
     env = {"SCALETRAIN_MODEL_PATH": FAMILIES}
-    assert "mlp-tiny" in run_cli(["models"], tmp_path, env=env).stdout
+    monkeypatch.setenv("SCALETRAIN_MODEL_PATH", FAMILIES)
+    assert "mlp-tiny" in run_cli_in_process(["models"], tmp_path).stdout
     run_cli(
         ["train", *FAST, "model.name=mlp-tiny", "run.name=mlp", "checkpoint.save_final=true", "--nproc-per-node", "1"],
         tmp_path,
@@ -60,16 +62,16 @@ def test_the_cli_lists_trains_checkpoints_and_exports_a_new_family(tmp_path):
     ckpt = tmp_path / "runs/mlp/checkpoints/step_00000010"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["model_spec"]["family"] == "mlp-lm"
-    run_cli(["ckpt", "export", str(ckpt), "--out", str(tmp_path / "st")], tmp_path, env=env)
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--out", str(tmp_path / "st")], tmp_path)
     from safetensors.torch import load_file
 
     assert load_file(str(tmp_path / "st/model.safetensors"))["blocks.0.up.weight"].shape == torch.Size([256, 64])
-    proc = run_cli(
-        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path, env=env, check=False
+    proc = run_cli_in_process(
+        ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path, check=False
     )
     assert proc.returncode == 2 and proc.stderr.strip().endswith("has no Hugging Face counterpart")
     assert not (tmp_path / "hf").exists()
-    proc = run_cli(
-        ["train", "model.name=mlp-tiny", "parallel.tp=2", "--nproc-per-node", "2"], tmp_path, env=env, check=False
+    proc = run_cli_in_process(
+        ["train", "model.name=mlp-tiny", "parallel.tp=2", "--nproc-per-node", "2"], tmp_path, check=False
     )
     assert proc.returncode == 2 and "has no tensor-parallel plan" in proc.stderr

@@ -121,6 +121,7 @@ def increasing(ts: list[float]) -> bool:
     return all(a < b for a, b in zip(ts, ts[1:]))
 
 
+@pytest.mark.slow  # three launches; one launch's samples, TensorBoard, profile and report stay fast (the healthy run)
 def test_two_fresh_runs_then_a_resume_keep_one_run_and_report_it(tmp_path):
     run = tmp_path / "runs" / "again"
     again = [*RUN, "run.name=again", "monitor.sample_interval_s=0.2", "train.steps=6", "train.eval_interval=4"]

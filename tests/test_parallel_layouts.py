@@ -44,7 +44,7 @@ AC = {
 }
 
 # every test here shares launches of 1, 2 and 8 ranks plus CLI runs (the module's costliest part); the fast tier
-# keeps layout parity through test_parity.py (DDP, FSDP, HSDP, accumulation against one process)
+# keeps layout parity through test_parity.py (FSDP2 through the CLI, ZeRO-2 and accumulation against one process)
 pytestmark = pytest.mark.slow
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tomllib
 
+import pytest
+
 from click.testing import CliRunner
 
 from scaletrain.cli.main import main
@@ -43,6 +45,7 @@ def test_bad_plan_mode_is_one_line_exit_2():
     assert "--plan" in CliRunner().invoke(main, ["train", "--help"]).output
 
 
+@pytest.mark.slow  # a launch; the plan applied to the typed config stays fast (test_the_chosen_layout_is_applied_...)
 def test_plan_auto_trains(workdir):
     proc = run_cli(
         [

@@ -174,6 +174,7 @@ def test_bad_cluster_files(tmp_path, text, message):
     assert missing.exit_code == 2 and "not found" in missing.stderr
 
 
+@pytest.mark.slow  # a minute of measuring on gloo ranks; reading a calibration file stays fast (test_plan_calibration.py)
 def test_bench_writes_calibration_the_planner_uses(tmp_path):
     cal = tmp_path / "cal.toml"
     # a real process: bench spawns gloo ranks of its own

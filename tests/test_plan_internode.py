@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli_in_process
 from scaletrain.hardware import Calibration, apply_calibration, load_calibration, make_cluster
 from scaletrain.hardware.calibration import CalibrationError, save_calibration
 from scaletrain.hardware.internode import compare_nodes, fit_seconds, internode_fields, message_sizes
@@ -145,7 +145,7 @@ def test_nodes_that_disagree_are_named_in_one_line():
     ],
 )
 def test_bench_nodes_flags_that_do_not_go_together_are_one_line(tmp_path, args, line):
-    proc = run_cli(["bench", *args, "-o", str(tmp_path / "cal.toml")], tmp_path, check=False, timeout=120)
+    proc = run_cli_in_process(["bench", *args, "-o", str(tmp_path / "cal.toml")], tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == f"scaletrain: error: {line}"
     assert not (tmp_path / "cal.toml").exists()

@@ -15,6 +15,10 @@ STEPS = ["train.steps=20", "monitor.log_interval=1"]
 # (torch 2.13, 2 CPU ranks): bf16 FSDP2 2.9e-3, bf16 DDP 8.0e-4; fp16 FSDP2 2.7e-4, fp16 DDP 1.3e-4.
 VS_FP32 = {"bf16": 1e-2, "fp16": 1e-3}
 
+# a 1- and a 2-rank launch of 20-step runs; the fast tier keeps fp16's loss scaling (test_train_units.py) and fp32
+# parity (test_parity.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def fp32_losses(tmp_path_factory) -> list[float]:

@@ -24,7 +24,15 @@ def _run(args, nproc):
     return [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
 
 
-@pytest.mark.parametrize("args, nproc", [([], 1), (["ddp"], 2), (["fsdp", "fp16"], 2)])
+# the 2-rank runs of the example are the full suite's; setup() on 2 ranks stays fast (test_fsdp_on_models_users_bring)
+@pytest.mark.parametrize(
+    "args, nproc",
+    [
+        ([], 1),
+        pytest.param(["ddp"], 2, marks=pytest.mark.slow),
+        pytest.param(["fsdp", "fp16"], 2, marks=pytest.mark.slow),
+    ],
+)
 def test_custom_loop_trains(args, nproc):
     got = _run(args, nproc)
     assert len(got) == 4

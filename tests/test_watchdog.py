@@ -11,6 +11,7 @@ import sys
 import time
 
 import psutil
+import pytest
 from test_checkpoint import _wait_for_step
 
 from scaletrain.monitor import read_jsonl
@@ -32,6 +33,7 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+@pytest.mark.slow  # a launch that waits out the hang limit; which process is killed and the diagnosis stay fast below
 def test_frozen_rank_is_named_and_the_run_ends(tmp_path):
     # launch.shutdown_timeout_s keeps its 30 s default: the run must end without sitting it out
     args = [

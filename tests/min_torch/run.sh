@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The oldest torch scaletrain declares (pyproject.toml: "torch>=X"), installed from the registry in a venv of its
-# own, runs the default job and the DDP/FSDP/HSDP loss-parity test: a declared minimum is one that was run.
+# own, runs the default job and the DDP/FSDP/HSDP loss-parity test (or the test files given as arguments; .ci/run
+# gives those two and leaves them out of its own run): a declared minimum is one that was run.
 # GPU images ship older torches than CI's pin (the first H200 image had 2.11, whose torchrun agent lacked a field
 # the launcher passed). Called by .ci/run after the main suite; ~3 min of install (a CUDA build of torch from PyPI,
 # run on the CPU) and ~4 min of tests on 2 cores.
@@ -15,4 +16,7 @@ venv=.venv-min-torch
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q -e . pytest "torch==$min.*"
 "$venv/bin/python" -c "import torch; print('min_torch: torch', torch.__version__)"
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_default_job.py tests/test_parity.py
+if [ "$#" -eq 0 ]; then
+  set -- tests/test_default_job.py tests/test_parity.py
+fi
+"$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
