@@ -17,6 +17,6 @@ python3 -m venv "$venv"
 "$venv/bin/pip" install -q -e . pytest "torch==$min.*"
 "$venv/bin/python" -c "import torch; print('min_torch: torch', torch.__version__)"
 if [ "$#" -eq 0 ]; then
-  set -- tests/test_default_job.py tests/test_parity.py
+  set -- tests/test_default_job.py tests/test_parity.py -m "not slow"
 fi
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
