@@ -10,7 +10,10 @@ order rotated each rep) so drift on a shared machine hits all of them.
 Every figure comes from benchmarks/probe/sitecustomize.py, loaded into every process of every runner, so no
 runner's own timing code is trusted: step time is the mean of each `--log-every`-step window between ends of
 optimizer steps on rank 0 (first window dropped as warm-up, median over all windows of all reps); start-up is the
-launch of the command to the end of step 1 on the last rank; peak RSS is ru_maxrss of each rank process.
+launch of the command to the end of step 1 on the last rank; peak RSS is ru_maxrss of each rank process; rank 0's
+CPU time per step (process_time over the same windows) is given beside the step time, as it is far less sensitive to
+other load on the machine. --cprofile A:B and --ops A:B (torch.profiler op counts and self times) show where the
+time goes.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ RUNNERS = {
 GPU_RUNNERS = ["scaletrain-fsdp", "torch-fsdp2"]
 TEARDOWN_GRACE_S = 20.0
 NOTES = "## Notes"
-TARGET = {"torch-ddp": 1.03, "torch-fsdp2": 1.03, "accelerate-ddp": 1.00, "fabric-ddp": 1.00}
+TARGET = {"torch-ddp": 1.03, "torch-fsdp2": 1.00, "accelerate-ddp": 1.00, "fabric-ddp": 1.00}
 
 
 def free_port() -> int:
@@ -182,11 +185,13 @@ def command(name: str, a) -> list[str]:
 @dataclass
 class Run:
     windows: list[float]  # mean step time of each window after the first, s
+    cpu_windows: list[float]  # rank 0's CPU time (all its threads) per step in the same windows, s
     startup_s: float  # launch -> end of step 1 on the last rank
     rss_mib: list[float]  # peak RSS of each rank, by rank
     threads: set[int]
     stopped_in_teardown: bool = False
     profiles: list[Path] = field(default_factory=list)  # rank 0's cProfile (--cprofile)
+    ops: list[Path] = field(default_factory=list)  # rank 0's torch.profiler op table (--ops)
 
 
 def read_probe(folder: Path, launched_unix: float, log_every: int, nproc: int) -> Run:
@@ -199,9 +204,14 @@ def read_probe(folder: Path, launched_unix: float, log_every: int, nproc: int) -
     if len(ranks) != nproc:
         raise RuntimeError(f"probe: {len(ranks)} rank record(s) in {folder}, expected {nproc}")
     t = [s[0] for s in ranks[0][2]]
-    windows = [(t[(j + 1) * log_every - 1] - t[j * log_every - 1]) / log_every for j in range(1, len(t) // log_every)]
+    cpu = [s[2] for s in ranks[0][2]]
+
+    def per_step(x: list[float]) -> list[float]:
+        return [(x[(j + 1) * log_every - 1] - x[j * log_every - 1]) / log_every for j in range(1, len(x) // log_every)]
+
     return Run(
-        windows,
+        per_step(t),
+        per_step(cpu),
         max(h["first_step_unix"] for _, h, _ in ranks) - launched_unix,
         [s[-1][1] / 1024 for _, _, s in ranks],
         {h["threads"] for _, h, _ in ranks},
@@ -221,6 +231,8 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
     env = {**env, "SCALETRAIN_BENCH_PROBE": str(probe)}
     if a.cprofile:
         env["SCALETRAIN_BENCH_CPROFILE"] = a.cprofile
+    if a.ops:
+        env["SCALETRAIN_BENCH_OPS"] = a.ops
     log = workdir / f"{name}.log"
     with open(log, "w") as out:
         launched = time.time()
@@ -262,6 +274,10 @@ def run_once(name: str, a, workdir: Path, env: dict) -> Run:
         a.profile_dir.mkdir(parents=True, exist_ok=True)
         for f in probe.glob("rank0-*.pstats"):
             run.profiles.append(Path(shutil.copy(f, a.profile_dir / f"{name}-{probe.name}.pstats")))
+    if a.ops:
+        a.profile_dir.mkdir(parents=True, exist_ok=True)
+        for f in probe.glob("rank0-*.ops.json"):
+            run.ops.append(Path(shutil.copy(f, a.profile_dir / f"{name}-{probe.name}.ops.json")))
     return run
 
 
@@ -273,6 +289,10 @@ class Row:
     @property
     def step_s(self) -> float:
         return statistics.median(w for r in self.runs for w in r.windows)
+
+    @property
+    def cpu_s(self) -> float:
+        return statistics.median(w for r in self.runs for w in r.cpu_windows)
 
     @property
     def startup_s(self) -> float:
@@ -304,11 +324,11 @@ def table(rows: list[Row], a) -> list[str]:
     ref = {RUNNERS[r.name][0]: r for r in rows if r.name.startswith("scaletrain")}
     tokens = a.global_batch * a.seq_len
     head = (
-        "| runner | median step (ms) | tokens/s | start-up to step 1 (s) | peak RSS / rank (MiB) | "
-        "scaletrain ÷ runner (step time) | each rep | target |"
+        "| runner | median step (ms) | rank 0 CPU / step (ms) | tokens/s | start-up to step 1 (s) | "
+        "peak RSS / rank (MiB) | scaletrain ÷ runner (step time) | each rep | target | scaletrain ÷ runner (CPU) |"
     )
     if a.device == "cuda":
-        head = head.replace(" | scaletrain", " | MFU | scaletrain")
+        head = head.replace(" | scaletrain ÷ runner (step", " | MFU | scaletrain ÷ runner (step")
     out = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         s = ref.get(RUNNERS[r.name][0])
@@ -322,9 +342,11 @@ def table(rows: list[Row], a) -> list[str]:
             )
         )
         target = f"≤ {TARGET[r.name]:.2f}" if r.name in TARGET and s is not None else ""
+        cpu_ratio = "" if ratio == "—" else f"{s.cpu_s / r.cpu_s:.3f}"
         cells = [
             r.name,
             f"{r.step_s * 1e3:.1f}",
+            f"{r.cpu_s * 1e3:.1f}",
             f"{tokens / r.step_s:,.0f}",
             f"{r.startup_s:.1f}",
             f"{r.rss_mib:,.0f}",
@@ -332,7 +354,7 @@ def table(rows: list[Row], a) -> list[str]:
         if a.device == "cuda":
             m = mfu(a, r.step_s)
             cells.append("n/a" if m is None else f"{m:.1%}")
-        out.append("| " + " | ".join(cells + [ratio, paired, target]) + " |")
+        out.append("| " + " | ".join(cells + [ratio, paired, target, cpu_ratio]) + " |")
     return out
 
 
@@ -384,7 +406,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to the end of step B; rank 0's .pstats go to --profile-dir and the top functions per step are "
         "printed per runner (profiled steps are slower: read the profile, not the table)",
     )
-    ap.add_argument("--profile-dir", type=Path, default=Path("peers-profile"), help="where --cprofile writes")
+    ap.add_argument(
+        "--ops",
+        metavar="A:B",
+        help="torch.profiler (CPU) on every rank from the end of step A to the end of step B; rank 0's op tables "
+        "go to --profile-dir and each scaletrain row's ops are compared with its strategy's other runners "
+        "(calls and self CPU time per step)",
+    )
+    ap.add_argument("--profile-dir", type=Path, default=Path("peers-profile"), help="where --cprofile/--ops write")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     if gpu:
@@ -408,13 +437,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.log_every = max(1, a.steps // 2)
     if a.global_batch % a.nproc:
         ap.error(f"--global-batch {a.global_batch} must be a multiple of --nproc {a.nproc}")
-    if a.cprofile:
+    for flag, window in (("--cprofile", a.cprofile), ("--ops", a.ops)):
+        if not window:
+            continue
         try:
-            start, stop = (int(x) for x in a.cprofile.split(":"))
+            start, stop = (int(x) for x in window.split(":"))
         except ValueError:
-            ap.error(f"--cprofile: expected A:B, two step numbers (got {a.cprofile!r})")
+            ap.error(f"{flag}: expected A:B, two step numbers (got {window!r})")
         if not 1 <= start < stop <= a.steps:
-            ap.error(f"--cprofile {a.cprofile}: need 1 <= A < B <= --steps {a.steps}")
+            ap.error(f"{flag} {window}: need 1 <= A < B <= --steps {a.steps}")
     return a
 
 
@@ -446,6 +477,49 @@ def print_profiles(rows: dict, a, top: int = 15) -> None:
             )
 
 
+def _ops_per_step(files: list[Path], steps: int) -> dict[str, tuple[float, float]]:
+    """{op: (calls per step, self CPU ms per step)} over the reps' op tables."""
+    total: dict[str, list[float]] = {}
+    for f in files:
+        for op, (calls, self_us) in json.loads(f.read_text()).items():
+            t = total.setdefault(op, [0.0, 0.0])
+            t[0] += calls
+            t[1] += self_us
+    n = steps * len(files)
+    return {op: (calls / n, self_us / 1e3 / n) for op, (calls, self_us) in total.items()}
+
+
+def print_ops(rows: dict, a, top: int = 25) -> None:
+    """Rank 0's torch.profiler ops per step: each scaletrain row against every other runner of its strategy, the ops
+    whose calls per step differ and those whose self CPU time differs most."""
+    start, stop = (int(x) for x in a.ops.split(":"))
+    tables = {name: _ops_per_step([f for run in row.runs for f in run.ops], stop - start) for name, row in rows.items()}
+    for name, ours in tables.items():
+        if not name.startswith("scaletrain") or not ours:
+            continue
+        for peer, theirs in tables.items():
+            if peer == name or RUNNERS[peer][0] != RUNNERS[name][0] or not theirs:
+                continue
+            total = (sum(v[1] for v in ours.values()), sum(v[1] for v in theirs.values()))
+            print(
+                f"\n{name} vs {peer}: rank 0, steps {start + 1}-{stop}, self CPU ms/step {total[0]:.1f} vs "
+                f"{total[1]:.1f}; ops by difference in self CPU time (calls/step in brackets)"
+            )
+            diffs = []
+            for op in set(ours) | set(theirs):
+                (c0, t0), (c1, t1) = ours.get(op, (0.0, 0.0)), theirs.get(op, (0.0, 0.0))
+                diffs.append((t0 - t1, op, c0, c1, t0, t1))
+            diffs.sort(key=lambda d: -abs(d[0]))
+            for d, op, c0, c1, t0, t1 in diffs[:top]:
+                mark = "  calls differ" if abs(c0 - c1) > 1e-9 else ""
+                print(f"  {d:+8.2f}  {t0:8.2f} ({c0:6.1f})  {t1:8.2f} ({c1:6.1f})  {op}{mark}")
+            extra = sorted((op for op in ours if abs(ours[op][0] - theirs.get(op, (0.0, 0.0))[0]) > 1e-9))
+            print(
+                "  ops called a different number of times per step: "
+                + ", ".join(f"{op} {ours[op][0]:.1f} vs {theirs.get(op, (0.0, 0.0))[0]:.1f}" for op in extra)
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p)}
@@ -472,6 +546,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(lines))
     if a.cprofile:
         print_profiles(rows, a)
+    if a.ops:
+        print_ops(rows, a)
     if a.markdown:
         write_report(a.markdown, title, lines, a, argv)
 
@@ -495,6 +571,8 @@ def write_report(path: Path, title: str, lines: list[str], a, argv: list[str] | 
         "of every runner (benchmarks/probe/sitecustomize.py), times the end of each optimizer step; **step time** "
         f"is the mean of each {a.log_every}-step window on rank 0, the first window dropped as warm-up, median "
         "over all windows of all reps; **tokens/s** is global batch x sequence length / step time; "
+        "**rank 0 CPU / step** is the CPU time of rank 0's process (all its threads, time.process_time) per step in "
+        "the same windows, which load from other processes on the machine inflates far less than wall time; "
         "**start-up** is from launching the runner's command to the end of step 1 on the last rank (median of "
         "reps); **peak RSS / rank** is the largest ru_maxrss of the rank processes (median of reps). "
         "**scaletrain ÷ runner** divides scaletrain's step time (same strategy) by the runner's: below 1 means "

@@ -83,6 +83,8 @@ def test_peers_benchmark_runs(tmp_path):
             str(report),
             "--cprofile",
             "1:2",
+            "--ops",
+            "1:2",
             "--profile-dir",
             str(tmp_path / "prof"),
         ],
@@ -98,6 +100,7 @@ def test_peers_benchmark_runs(tmp_path):
         assert f"| {runner} |" in proc.stdout
         assert (tmp_path / "prof" / f"{runner}.pstats").is_file()  # rank 0's profile of step 2, every runner
     assert "own time ms/step" in proc.stdout
+    assert "scaletrain-fsdp vs torch-fsdp2" in proc.stdout and "aten::mm" in proc.stdout  # --ops: op tables
     assert "| torch-ddp |" in report.read_text() and "benchmarks/peers.py" in report.read_text()
 
 

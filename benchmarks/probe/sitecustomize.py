@@ -9,10 +9,11 @@ steps counts, so a wrapper that steps an inner optimizer is counted once.
 
 A process that steps writes DIR/rank<RANK>-<pid>.jsonl, one line per step, flushed as it goes:
   first line  {"rank", "pid", "first_step_unix": time.time() at the end of step 1, "threads": torch.get_num_threads()}
-  then        [time.perf_counter() at the end of the step, resource.getrusage(RUSAGE_SELF).ru_maxrss in KiB]
+  then        [time.perf_counter() at the end of the step, resource.getrusage(RUSAGE_SELF).ru_maxrss in KiB,
+               time.process_time(): CPU seconds of the process's threads so far]
 ru_maxrss is the kernel's peak resident set of the process so far, so the last line holds the peak over training.
 Nothing runs at exit (an atexit handler registered this early made gloo ranks hang at shutdown now and then).
-Cost per step: a perf_counter(), a getrusage() and one small write.
+Cost per step: a perf_counter(), a getrusage(), a process_time() and one small write.
 
 With SCALETRAIN_BENCH_EVENTS=DIR (benchmarks/checkpoint.py's recovery runs) a rank process also appends
 DIR/events-<pid>.jsonl: {"event", "rank", "unix": time.time()} for "start" (this file's import, about when the
@@ -31,6 +32,7 @@ import time
 
 _DIR = os.environ.get("SCALETRAIN_BENCH_PROBE")
 _PROFILE = os.environ.get("SCALETRAIN_BENCH_CPROFILE")
+_OPS = os.environ.get("SCALETRAIN_BENCH_OPS")
 _EVENTS = os.environ.get("SCALETRAIN_BENCH_EVENTS")
 _STARTED = time.time()
 _state: dict = {}
@@ -52,10 +54,13 @@ def _on_step(optimizer, args, kwargs) -> None:
             + "\n"
         )
     if id(optimizer) == _state["id"]:
-        _state["file"].write(f"[{now}, {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}]\n")
+        use = resource.getrusage(resource.RUSAGE_SELF)
+        _state["file"].write(f"[{now}, {use.ru_maxrss}, {time.process_time()}, {use.ru_minflt}, {use.ru_nivcsw}]\n")
+        step = _state["steps"] = _state.get("steps", 0) + 1
         if _PROFILE:
-            _profile_window(_state.setdefault("steps", 0) + 1)
-            _state["steps"] += 1
+            _profile_window(step)
+        if _OPS:
+            _ops_window(step)
 
 
 def _profile_window(step: int) -> None:
@@ -71,6 +76,25 @@ def _profile_window(step: int) -> None:
         _state["profile"].disable()
         rank = int(os.environ.get("RANK", -1))
         _state["profile"].dump_stats(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.pstats"))
+
+
+def _ops_window(step: int) -> None:
+    """With SCALETRAIN_BENCH_OPS=A:B, torch.profiler (CPU activities) from the end of step A to the end of step B;
+    writes DIR/rank<RANK>-<pid>.ops.json: {op name: [calls, self CPU microseconds]} over those steps (for
+    `python benchmarks/peers.py --ops A:B`, which compares them between runners)."""
+    start, stop = (int(x) for x in _OPS.split(":"))
+    if step == start:
+        import torch.profiler
+
+        _state["ops"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        _state["ops"].__enter__()
+    elif step == stop and "ops" in _state:
+        prof = _state.pop("ops")
+        prof.__exit__(None, None, None)
+        ops = {e.key: [e.count, e.self_cpu_time_total] for e in prof.key_averages()}
+        rank = int(os.environ.get("RANK", -1))
+        with open(os.path.join(_DIR, f"rank{rank}-{os.getpid()}.ops.json"), "w") as f:
+            json.dump(ops, f)
 
 
 def _event(name: str, **extra) -> None:

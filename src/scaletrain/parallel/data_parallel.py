@@ -60,15 +60,24 @@ def apply_fsdp(
             norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
         )
     done = {id(m) for m in norms}
-    for unit in fsdp_units(model, spec, shard):
+    units = fsdp_units(model, spec, shard)
+    for i, unit in enumerate(units):
         if isinstance(unit, list):
             unit = [m for m in unit if id(m) not in done]
             if not unit:
                 continue
         elif id(unit) in done:
             continue
+        # the last block (in model order; pipelines excepted, whose micro-batches all run forward first) would be
+        # all-gathered again as soon as backward starts: keeping it gathered saves one all-gather per step, as
+        # torchtitan does
+        last_block = shard is None and dims.pp == 1 and i == len(units) - 1
         fully_shard(
-            unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+            unit,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward and not last_block,
+            offload_policy=offload,
         )
     # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
