@@ -71,7 +71,7 @@ def apply_fsdp(
         # the last block (in model order; pipelines excepted, whose micro-batches all run forward first) would be
         # all-gathered again as soon as backward starts: keeping it gathered saves one all-gather per step, as
         # torchtitan does
-        last_block = shard is None and dims.pp == 1 and i == len(units) - 1
+        last_block = shard is None and layout.pp == 1 and i == len(units) - 1
         fully_shard(
             unit,
             mesh=dp_mesh,
