@@ -87,7 +87,17 @@ def _train(shape, variant: str, args, rank: int, world: int, device: torch.devic
     from scaletrain.config.layout import Layout
     from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
     from scaletrain.parallel.dims import build_mesh
+    from scaletrain.tasks.causal_lm import CausalLM
     from scaletrain.train import step as train_step
+
+    class _UnchunkedLM(CausalLM):
+        """The loss without chunks: whole fp32 logits and log-softmax kept for backward."""
+
+        def loss_sum(self, outputs, targets):
+            from scaletrain.models.loss import token_loss_sum
+
+            return token_loss_sum(outputs, targets, chunked=False)
+
     from scaletrain.train.job import Job
     from scaletrain.train.optim import build_optimizer
 
@@ -110,28 +120,23 @@ def _train(shape, variant: str, args, rank: int, world: int, device: torch.devic
     job = Job.for_model(pm, opt, _Rt(rank, world, device), grad_clip=1.0)
     gen = torch.Generator().manual_seed(rank)
     times = []
-    loss_fn = train_step._token_loss_sum
-    if not lean:  # the unchunked loss: whole fp32 logits and log-softmax
-        train_step._token_loss_sum = lambda logits, targets: loss_fn(logits, targets, chunked=False)
-    try:
-        for i in range(steps + 1):
-            if i == 1:
-                _reset_peak(device)
-            batches = []
-            for _ in range(args.accumulation):
-                tokens = torch.randint(0, shape.vocab_size, (1, args.seq_len + 1), generator=gen)
-                batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            train_step.forward_backward(job, batches, 1.0 / (args.accumulation * args.seq_len * world))
-            job.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - t0)
-    finally:
-        train_step._token_loss_sum = loss_fn
+    task = CausalLM() if lean else _UnchunkedLM()
+    for i in range(steps + 1):
+        if i == 1:
+            _reset_peak(device)
+        batches = []
+        for _ in range(args.accumulation):
+            tokens = torch.randint(0, shape.vocab_size, (1, args.seq_len + 1), generator=gen)
+            batches.append(Batch(tokens[:, :-1], tokens[:, 1:]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        train_step.forward_backward(job, task, batches, 1.0 / (args.accumulation * args.seq_len * world))
+        job.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
     return times
 
 
