@@ -19,7 +19,7 @@ auto: ring on CUDA for models whose K and V are as large as Q (n_kv_heads == n_h
 
 Document masking: data.mask_doc_starts drops the loss on document starts through the targets, which are sharded
 with the inputs, so it holds under cp. Attention stays causal over the packed sequence, as without cp (no
-per-document attention mask).
+per-document attention mask): data.packing=document is refused with cp > 1 before launch (tasks/causal_lm.py).
 """
 
 from __future__ import annotations
