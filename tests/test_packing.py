@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -173,7 +175,7 @@ def masked(tmp_path_factory) -> Path:
 
 ONE_PROCESS = ["parallel.dp_shard=1"]
 LAYOUTS = {
-    "fsdp2": [],
+    "fsdp2": ["parallel.activation_checkpoint=full"],  # the block's mask keyword through the checkpoint wrapper
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "ddp2_accum": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch_size=1"],
     "tp2sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
@@ -265,3 +267,14 @@ def test_the_count_is_trained_tokens_where_the_data_decides_and_every_position_o
         assert task.count(batch) == want
         if trained_only:
             assert want < batch.targets.numel()
+
+
+def test_plan_prices_attention_per_document_when_documents_are_packed(tmp_path):
+    from conftest import run_cli_in_process
+
+    def tokens_per_s(*extra: str) -> float:
+        args = ["plan", "--model", "llama-8b", "--gpus", "8", "--seq-len", "8192", "--top", "1", "--json", *extra]
+        return json.loads(run_cli_in_process(args, tmp_path).stdout)["layouts"][0]["tokens_per_s"]
+
+    # documents of 512 tokens in rows of 8192: each query attends to ~1/16 of the keys a whole row would give it
+    assert tokens_per_s("--doc-len", "512") > 1.1 * tokens_per_s()
