@@ -3,7 +3,7 @@
 Documents come in pairs whose lengths add up to seq_len + 2, so every packed row holds exactly two whole documents
 and a step of G packed rows trains on the same documents as a step of 2G padded rows (data.packing = "pad", one
 document per row): the per-step losses of the two layouts must agree (fp32, 1e-5), in one process and on DDP 2,
-FSDP 2, TP 2 + SP and PP 2, for the built-in Llama and a Hugging Face family (Qwen3, tiny config made here). The
+FSDP 2, TP 2 + SP, PP 2 and CP 2, for the built-in Llama and a Hugging Face family (Qwen3, tiny config made here). The
 same packed rows under plain causal attention (a naive concat: positions running on, attention crossing documents)
 give a different loss: that is what per-document attention fixes.
 """
@@ -155,7 +155,7 @@ def test_flex_block_mask_masks_as_the_sdpa_mask():
     want = document_attention(q, k, v, document_mask(documents, "sdpa"), gqa_in_kernel=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # flex_attention warns that it runs uncompiled
-        got = flex_attention(q, k, v, block_mask=document_mask(documents, "flex").block_mask, enable_gqa=True)
+        got = flex_attention(q, k, v, block_mask=document_mask(documents, "flex").block_mask(), enable_gqa=True)
     assert torch.allclose(got, want, atol=1e-5)
 
 
@@ -180,6 +180,7 @@ LAYOUTS = {
     "ddp2_accum": ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch_size=1"],
     "tp2sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2", "parallel.dp_shard=1"],
+    "cp2": ["parallel.cp=2", "parallel.dp_shard=1", "parallel.cp_method=allgather"],
 }
 HF_LAYOUTS = ("tp2sp", "pp2")  # the HF family's own forward adaptation: the layouts that cut or shard it
 
@@ -212,7 +213,7 @@ def runs_fsdp(masked, qwen3, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def runs_all(masked, qwen3, tmp_path_factory, runs_fsdp) -> dict[str, Path]:
     out = next(iter(runs_fsdp.values())).parent.parent  # reuse the one-process references
-    return _run_layouts(masked, qwen3, out, ["ddp2", "ddp2_accum", "tp2sp", "pp2"])
+    return _run_layouts(masked, qwen3, out, ["ddp2", "ddp2_accum", "tp2sp", "pp2", "cp2"])
 
 
 def _assert_same(ref: list[float], got: list[float], what: str) -> None:
@@ -230,7 +231,7 @@ def test_packed_equals_padded_in_one_process_and_on_fsdp2(runs_fsdp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", ["llama_ddp2", "llama_ddp2_accum", "llama_tp2sp", "llama_pp2", "qwen3_tp2sp", "qwen3_pp2"]
+    "layout", ["llama_ddp2", "llama_ddp2_accum", "llama_tp2sp", "llama_pp2", "llama_cp2", "qwen3_tp2sp", "qwen3_pp2"]
 )
 def test_packed_equals_padded_on_every_layout(runs_all, layout):
     family = layout.split("_")[0]
@@ -242,14 +243,11 @@ def test_masked_stream_loss_is_per_trained_token_under_accumulation(runs_all):
     _assert_same(runner_losses(runs_all["stream_single"]), runner_losses(runs_all["stream_ddp2_accum"]), "stream")
 
 
-def test_document_packing_with_context_parallelism_is_refused_before_launch(dataset, tmp_path):
-    proc = run_cli(
-        ["train", *_job(dataset, "document", *LLAMA, "parallel.cp=2", "parallel.dp_shard=1"), "--nproc-per-node", "2"],
-        tmp_path,
-        check=False,
-    )
+def test_document_packing_with_ring_attention_is_refused_before_launch(dataset, tmp_path):
+    cp = ["parallel.cp=2", "parallel.dp_shard=1", "parallel.cp_method=auto"]
+    proc = run_cli(["train", *_job(dataset, "document", *LLAMA, *cp), "--nproc-per-node", "2"], tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "data.packing" in proc.stderr and "parallel.cp=1" in proc.stderr
+    assert "data.packing" in proc.stderr and "parallel.cp_method=allgather" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 

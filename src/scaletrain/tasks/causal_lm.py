@@ -59,10 +59,10 @@ class CausalLM(Task):
                 raise ValueError(
                     f"data.packing: the {spec.family} model cannot attend per document; use data.packing=pad"
                 )
-            if cfg.parallel.cp > 1:
+            if cfg.parallel.cp > 1 and cfg.parallel.cp_method != "allgather":
                 raise ValueError(
-                    "data.packing: document packing is not sharded over context parallelism yet; use "
-                    "data.packing=pad or parallel.cp=1"
+                    "data.packing: document packing under context parallelism attends per document with the "
+                    "allgather method only; set parallel.cp_method=allgather"
                 )
 
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
