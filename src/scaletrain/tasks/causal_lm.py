@@ -83,8 +83,9 @@ class CausalLM(Task):
 
         gb = cfg.train.global_batch_size
         loaders = build_loaders(cfg.data, self._vocab(spec), cfg.run.seed, gb, micro_batch, dp_rank, dp_size)
-        # the same answer on every rank (every rank opens the same datasets): the step's count then needs a sum
-        self.counts_vary = loaders[0].trained_only
+        # the same answer on every rank (every rank opens the same datasets): the step's count then needs a sum;
+        # a subclass counting by content itself keeps its own True
+        self.counts_vary = type(self).counts_vary or loaders[0].trained_only
         return loaders
 
     def inputs(self, batch: Batch) -> torch.Tensor:
