@@ -14,6 +14,8 @@ import numpy as np
 
 from scaletrain.data.manifest import (
     DOCS_DTYPE,
+    MASKED_VERSION,
+    PLAIN_VERSION,
     DatasetManifest,
     Shard,
     Split,
@@ -30,8 +32,10 @@ def write_prepared(
     vocab_size: int = 256,
     docs_per_shard: int = 3,
     eos_id: int | None = None,
+    trained: dict[str, list[list[int]]] | None = None,
 ) -> DatasetManifest:
-    """A prepared dataset of the given documents per split (eos_id appended to each when given)."""
+    """A prepared dataset of the given documents per split (eos_id appended to each when given); `trained`: a loss
+    mask (1: trained) per document of each split, as chat data stores it (then no eos_id)."""
     dtype = token_dtype(vocab_size)
     out: dict[str, Split] = {}
     for name, docs in splits.items():
@@ -44,6 +48,12 @@ def write_prepared(
             tok_name, doc_name = f"{name}/shard-{k:05d}.tokens", f"{name}/shard-{k:05d}.docs"
             tokens.tofile(folder / tok_name)
             ends.tofile(folder / doc_name)
+            mask_name, mask_sha, num_trained = None, None, None
+            if trained is not None:
+                mask = np.asarray([m for d in trained[name][first : first + docs_per_shard] for m in d], dtype=np.uint8)
+                mask_name = f"{name}/shard-{k:05d}.mask"
+                mask.tofile(folder / mask_name)
+                mask_sha, num_trained = sha256_file(folder / mask_name), int(mask.sum())
             split.shards.append(
                 Shard(
                     tok_name,
@@ -52,6 +62,9 @@ def write_prepared(
                     len(group),
                     sha256_file(folder / tok_name),
                     sha256_file(folder / doc_name),
+                    mask_name,
+                    mask_sha,
+                    num_trained,
                 )
             )
         out[name] = split
@@ -60,6 +73,7 @@ def write_prepared(
         tokenizer=TokenizerInfo("bytes", "bytes", "0" * 64, vocab_size, eos_id),
         splits=out,
         created_by="tests/data_helpers.py",
+        version=MASKED_VERSION if trained is not None else PLAIN_VERSION,
     )
     write_manifest(folder, manifest)
     return manifest

@@ -48,6 +48,12 @@ def _hf_shape(path: str):
 @click.option("--calibration", default=None, help="Calibration TOML from `scaletrain bench`.")
 @click.option("--seq-len", type=int, default=None, help="Tokens per sequence (default: min(8192, model max)).")
 @click.option("--global-batch", type=int, default=None, help="Sequences per optimizer step (default max(256, gpus)).")
+@click.option(
+    "--doc-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="data.packing=document: mean document length in tokens; attention is priced per document, not per row.",
+)
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
 @click.option(
     "--fp8",
@@ -98,6 +104,7 @@ def plan(
     calibration,
     seq_len,
     global_batch,
+    doc_len,
     precisions,
     ac_modes,
     schedules,
@@ -179,7 +186,7 @@ def plan(
         work = workload_for(
             model, params, shape_flags, seq_len, global_batch, cluster.gpus, shape, hf=hf_path is not None
         )
-        work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu))
+        work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
     except ValueError as e:
         fail(str(e))
     pins = None

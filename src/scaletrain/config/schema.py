@@ -107,6 +107,12 @@ class DataConfig(Section):
     mask_doc_starts: bool = Field(
         False, description="no loss on the first token of a document packed after another (needs documents)"
     )
+    packing: Literal["concat", "pad", "document"] = Field(
+        "concat",
+        description="concat: fixed windows of the token stream, documents back to back under causal attention; "
+        "pad: one document per row, padded; document: several documents per row, each attending only to itself "
+        "with positions from 0 (pad and document need document boundaries; the loss counts trained tokens)",
+    )
     prefetch: int = Field(2, ge=0, le=64, description="steps read ahead by a background thread; 0: read in the step")
     cache_dir: str | None = Field(
         None,

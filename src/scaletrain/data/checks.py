@@ -109,9 +109,20 @@ def check_data(cfg: DataConfig, vocab_size: int, global_batch: int, seed: int = 
                 f"data.mask_doc_starts: {ds.name} ({ds.kind}) has no document boundaries; use a prepared "
                 "dataset or a Megatron .bin/.idx, or set data.mask_doc_starts=false"
             )
-        n_train = max(0, (ds.train.num_tokens - 1) // cfg.seq_len)
-        n_val = max(0, (ds.val.num_tokens - 1) // cfg.seq_len)
+        if cfg.packing != "concat" and not ds.has_documents:
+            raise DatasetError(
+                f"data.packing: {cfg.packing} lays out whole documents and {ds.name} ({ds.kind}) has no document "
+                "boundaries; use a prepared dataset or a Megatron .bin/.idx, or set data.packing=concat"
+            )
         where = "data" if ds.kind in ("stdlib", "synthetic") else field
+        if cfg.packing == "concat":
+            n_train = max(0, (ds.train.num_tokens - 1) // cfg.seq_len)
+            n_val = max(0, (ds.val.num_tokens - 1) // cfg.seq_len)
+        else:
+            from scaletrain.data.loader import samples_of
+
+            n_train = samples_of(ds.train, cfg, None, ds.name).num_samples
+            n_val = samples_of(ds.val, cfg, None, ds.name).num_samples
         if ds.train.num_tokens + ds.val.num_tokens == 0:
             raise DatasetError(f"{where}: {ds.name} holds no tokens; prepare it again or point at another dataset")
         if n_train < global_batch or n_val < 1:

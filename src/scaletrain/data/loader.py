@@ -5,7 +5,8 @@ documents are packed back to back, each ending in the EOS its preparation wrote,
 With mask_doc_starts, a target that is the first token of a new document is set to IGNORE_INDEX, so the model is
 not trained to guess a document's start from the previous one. A stream with a loss mask (chat and
 prompt-completion data) sets every target the mask marks untrained (system and user turns, template scaffolding)
-to IGNORE_INDEX; the samples read and their order are the same either way, so resuming is unchanged.
+to IGNORE_INDEX; the samples read and their order are the same either way, so resuming is unchanged. Under
+data.packing = "pad" or "document" a sample is instead a row of whole documents (packing.py), read the same way.
 
 Each epoch of a dataset visits every sample once in an order drawn from (seed, epoch), memory-mapped from a file
 built once beside the data (order.py). Several datasets are interleaved by weight (mix.py). Optimizer step k
@@ -31,6 +32,7 @@ import torch
 from scaletrain.config.schema import DataConfig
 from scaletrain.data.mix import MixSchedule
 from scaletrain.data.order import cached_permutation
+from scaletrain.data.packing import PackedDocuments, Rows
 from scaletrain.data.sources import open_datasets
 from scaletrain.data.stream import TokenStream
 from scaletrain.models.loss import IGNORE_INDEX
@@ -40,6 +42,13 @@ from scaletrain.models.loss import IGNORE_INDEX
 class Batch:
     inputs: torch.Tensor  # (b, S) int64
     targets: torch.Tensor  # (b, S) int64
+    # rows packing several documents (data.packing="document"): each token's position inside its document and the
+    # document's index in its row, (b, S) int64; None for a stream window or one document per row
+    positions: torch.Tensor | None = None
+    documents: torch.Tensor | None = None
+    # the data decides what is trained (a loss mask, or padding of whole-document rows): a loss normalised per
+    # trained token divides by `trained_tokens`, not by every target position
+    trained_only: bool = False
 
     @property
     def trained_tokens(self) -> int:
@@ -82,9 +91,34 @@ class TokenWindows:
                 targets[r, starts - (i * s + 1)] = IGNORE_INDEX
         return rows[:, :-1], targets
 
+    def read(self, indices: np.ndarray) -> Rows:
+        inputs, targets = self.rows(indices)
+        return Rows(np.ascontiguousarray(inputs), targets)
+
+    def order(self, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+        """The sample order of an epoch, drawn from (seed, epoch)."""
+        if not shuffle:
+            return np.arange(self.num_samples, dtype=np.int64)
+        return cached_permutation(self.cache_dir, self.num_samples, seed, epoch)
+
     def gather(self, indices: torch.Tensor | np.ndarray) -> Batch:
-        inputs, targets = self.rows(np.asarray(indices))
-        return Batch(torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(targets))
+        return _batch(self.read(np.asarray(indices)), self.stream.has_mask)
+
+
+Dataset = TokenWindows | PackedDocuments  # what the loader reads samples from
+
+
+def _batch(rows: Rows, trained_only: bool) -> Batch:
+    def tensor(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else torch.from_numpy(a)
+
+    return Batch(torch.from_numpy(rows.inputs), torch.from_numpy(rows.targets), tensor(rows.positions),
+                 tensor(rows.documents), trained_only)  # fmt: skip
+
+
+def trained_only(dataset: Dataset) -> bool:
+    """Whether the data decides which targets are trained: a loss mask, or rows of whole documents (padded)."""
+    return dataset.stream.has_mask or isinstance(dataset, PackedDocuments)
 
 
 class DistributedLoader:
@@ -92,7 +126,7 @@ class DistributedLoader:
 
     def __init__(
         self,
-        windows: TokenWindows | list[TokenWindows],
+        windows: Dataset | list[Dataset],
         global_batch: int,
         micro_batch: int,
         dp_rank: int,
@@ -107,8 +141,9 @@ class DistributedLoader:
                 f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
                 f"x data-parallel degree {dp_size}"
             )
-        self.datasets = windows if isinstance(windows, list) else [windows]
+        self.datasets: list[Dataset] = windows if isinstance(windows, list) else [windows]
         self.windows = self.datasets[0]
+        self.trained_only = any(trained_only(d) for d in self.datasets)  # every batch of the loader counts alike
         self.mix = MixSchedule(weights or [1.0] * len(self.datasets))
         if len(self.mix.quotas) != len(self.datasets):
             raise ValueError(f"{len(self.datasets)} datasets but {len(self.mix.quotas)} weights")
@@ -135,8 +170,7 @@ class DistributedLoader:
             if order is None:
                 if len(self._orders) > 2 * len(self.datasets):  # keep only recent epochs mapped
                     self._orders.clear()
-                ds = self.datasets[k]
-                order = self._orders[(k, epoch)] = cached_permutation(ds.cache_dir, ds.num_samples, self.seed, epoch)
+                order = self._orders[(k, epoch)] = self.datasets[k].order(self.seed, epoch, self.shuffle)
             return order
 
     def sample_ids(self, start: int, count: int) -> list[tuple[int, int]]:
@@ -146,7 +180,7 @@ class DistributedLoader:
         for k, j in zip(which.tolist(), local.tolist()):
             n = self.datasets[k].num_samples
             epoch, offset = divmod(j, n)
-            out.append((k, int(self._order(k, epoch)[offset]) if self.shuffle else offset))
+            out.append((k, int(self._order(k, epoch)[offset])))
         return out
 
     def _step_at(self, position: int) -> list[Batch]:
@@ -155,12 +189,16 @@ class DistributedLoader:
         batches = []
         for m in range(0, per_rank, self.micro_batch):
             chunk = mine[m : m + self.micro_batch]
-            inputs = np.empty((len(chunk), self.windows.seq_len), dtype=np.int64)
-            targets = np.empty_like(inputs)
+            shape = (len(chunk), self.windows.seq_len)
+            per_document = isinstance(self.windows, PackedDocuments) and self.windows.per_document
+            out = Rows(*(np.empty(shape, dtype=np.int64) for _ in range(4 if per_document else 2)))
             for k in {k for k, _ in chunk}:
                 rows = [r for r, (kk, _) in enumerate(chunk) if kk == k]
-                inputs[rows], targets[rows] = self.datasets[k].rows(np.array([chunk[r][1] for r in rows]))
-            batches.append(Batch(torch.from_numpy(inputs), torch.from_numpy(targets)))
+                got = self.datasets[k].read(np.array([chunk[r][1] for r in rows]))
+                for whole, part in zip(out, got):
+                    if whole is not None and part is not None:
+                        whole[rows] = part
+            batches.append(_batch(out, self.trained_only))
         return batches
 
     def next_step(self) -> list[Batch]:
@@ -204,6 +242,13 @@ class DistributedLoader:
         self._pending.clear()
 
 
+def samples_of(stream: TokenStream, cfg: DataConfig, cache_dir: Path | None, name: str) -> Dataset:
+    """The samples of one dataset's stream under data.packing: stream windows ("concat") or whole-document rows."""
+    if cfg.packing == "concat":
+        return TokenWindows(stream, cfg.seq_len, cfg.mask_doc_starts, cache_dir, name)
+    return PackedDocuments(stream, cfg.seq_len, cfg.packing, cache_dir, name)
+
+
 def build_loaders(
     cfg: DataConfig, vocab_size: int, seed: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
 ) -> tuple[DistributedLoader, DistributedLoader]:
@@ -211,9 +256,8 @@ def build_loaders(
     checked here: preflight (checks.py) did that before any rank started."""
     datasets = open_datasets(cfg, vocab_size, seed)
     weights = [entry.weight for _, entry in cfg.datasets()] if cfg.mix else None
-    seq, mask = cfg.seq_len, cfg.mask_doc_starts
-    train = [TokenWindows(d.train, seq, mask, d.cache_dir, d.name) for d in datasets]
-    val = [TokenWindows(d.val, seq, mask, None, d.name) for d in datasets]
+    train = [samples_of(d.train, cfg, d.cache_dir, d.name) for d in datasets]
+    val = [samples_of(d.val, cfg, None, d.name) for d in datasets]
     return (
         DistributedLoader(
             train, global_batch, micro_batch, dp_rank, dp_size, seed, weights=weights, prefetch=cfg.prefetch

@@ -140,6 +140,9 @@ class ModelSpec(ABC):
     # the `[model]` key that chooses this family by itself, its value where the model comes from (e.g. "hf":
     # model.hf = FOLDER); None: the family is chosen by a preset's name (model.name)
     selected_by: ClassVar[str | None] = None
+    # the model's forward takes `positions=` and `documents=` ((B, S) int64) and attends within each document:
+    # rows that pack several documents (data.packing = "document") can train it
+    packs_documents: ClassVar[bool] = False
 
     def __init__(self, args: Any):
         self.args = args

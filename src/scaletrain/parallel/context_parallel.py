@@ -19,7 +19,9 @@ auto: ring on CUDA for models whose K and V are as large as Q (n_kv_heads == n_h
 
 Document masking: data.mask_doc_starts drops the loss on document starts through the targets, which are sharded
 with the inputs, so it holds under cp. Attention stays causal over the packed sequence, as without cp (no
-per-document attention mask).
+per-document attention mask). Rows packing several documents (data.packing=document) are sharded the same way
+(head and tail chunk of the row): the allgather method also gathers the keys' document ids and attends within each
+document, each rank still computing its s x S scores (equal work); ring attention refuses them before launch.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.document_attention import DocumentMask
 from scaletrain.models.spec import ModelSpec
 
 CP_METHODS = ("auto", "allgather", "ring")
@@ -85,7 +88,26 @@ class AllGatherKVAttention(nn.Module):
             self.masks[dtype] = zero.masked_fill(~self.allowed, float("-inf"))
         return self.masks[dtype]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def document_mask(self, mask: DocumentMask, dtype: torch.dtype) -> torch.Tensor:
+        """Additive (B, 1, s, S) mask of packed rows: causal by global position and within each document; the
+        keys' document ids are gathered over the cp group once per forward (kept on `mask` for every block)."""
+
+        def allowed() -> torch.Tensor:
+            from torch.distributed._functional_collectives import all_gather_tensor
+
+            local = mask.documents  # (B, s): this rank's tokens
+            keys = all_gather_tensor(local.t().contiguous(), 0, self.group).t()  # (B, S) in rank order, as k/v
+            return self.allowed[None, None] & (local[:, None, :, None] == keys[:, None, None, :])
+
+        def additive() -> torch.Tensor:
+            ok = mask.cached(("cp_allowed", id(self.masks)), allowed)  # one gather for all blocks
+            return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, float("-inf"))
+
+        return mask.cached(("cp_additive", id(self.masks), dtype), additive)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_single_autograd
 
         # one collective for K and V together; its backward reduce-scatters (sums) their gradients
@@ -96,7 +118,8 @@ class AllGatherKVAttention(nn.Module):
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(q.dtype))
+        attn_mask = self.mask(q.dtype) if mask is None else self.document_mask(mask, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
 
 
 class _CausalSDPA(nn.Module):

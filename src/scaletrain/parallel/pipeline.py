@@ -152,33 +152,46 @@ class Pipeline:
         self._losses.append(loss.detach())
         return loss * self.loss_scale
 
-    def _run(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool) -> torch.Tensor:
+    def _run(
+        self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, train: bool, kwargs: dict | None = None
+    ) -> torch.Tensor:
         self._losses = []
         args = inputs if self.has_first else ()
         target = targets if self.has_last else None
+        kwargs = kwargs or {}  # every stage's: torch splits them into micro-batches and passes them to each stage
         if train:
-            self.schedule.step(*args, target=target, losses=[] if self.has_last else None, return_outputs=False)
+            self.schedule.step(
+                *args, target=target, losses=[] if self.has_last else None, return_outputs=False, **kwargs
+            )
         else:
             with _forward_only_actions(self.schedule, self.schedule_name):
-                self.schedule.eval(*args, target=target, losses=[] if self.has_last else None)
+                self.schedule.eval(*args, target=target, losses=[] if self.has_last else None, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=targets.device)
         # the first step also runs the loss once on shape-inference tensors: keep the micro-batches' own
         return torch.stack(self._losses[-self.n_microbatches :]).sum()
 
     def step(
-        self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_scale: float, loss_sum: LossSum
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        targets: torch.Tensor,
+        loss_scale: float,
+        loss_sum: LossSum,
+        kwargs: dict | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns this rank's summed loss (0 off the last stage).
         inputs (the first stage's arguments) and targets: (b, ...) of this data-parallel rank, split into
-        n_microbatches; loss_sum(outputs, targets): the task's loss of one micro-batch, run on the last stage."""
+        n_microbatches; kwargs: (b, ...) keyword arguments of every stage's forward, split the same way;
+        loss_sum(outputs, targets): the task's loss of one micro-batch, run on the last stage."""
         self.loss_scale, self.loss_sum = loss_scale, loss_sum
-        return self._run(inputs, targets, train=True)
+        return self._run(inputs, targets, True, kwargs)
 
-    def evaluate(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_sum: LossSum) -> torch.Tensor:
+    def evaluate(
+        self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, loss_sum: LossSum, kwargs: dict | None = None
+    ) -> torch.Tensor:
         """Forward only; summed loss on the last stage, 0 elsewhere."""
         self.loss_scale, self.loss_sum = 1.0, loss_sum
-        return self._run(inputs, targets, train=False)
+        return self._run(inputs, targets, False, kwargs)
 
     def describe(self) -> str:
         bubble = f", bubble {self.bubble:.1%} (equal-cost stages, F:B = 1:2)" if self.bubble is not None else ""

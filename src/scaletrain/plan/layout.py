@@ -31,15 +31,26 @@ class Workload:
     # parallel.compile: Inductor fuses each block's memory-bound ops and launches its kernels from generated code
     # (no per-op dispatch; plan/steptime.py)
     compile: bool = False
+    # data.packing=document on a per-document attention kernel (flex_attention block masks): the mean document
+    # length in tokens; a query then attends within its document, so attention costs per document, not per row.
+    # None: every query sees its row (concat, pad)
+    doc_len: int | None = None
 
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.global_batch
 
     @property
+    def attention_len(self) -> int:
+        """Tokens the causal attention of one query spans on average x 2 (the `s` of 12·L·h·s): the row's
+        seq_len, or the mean document length when documents are packed with per-document attention."""
+        return min(self.doc_len, self.seq_len) if self.doc_len else self.seq_len
+
+    @property
     def model_flops_per_token(self) -> float:
-        """Training FLOPs per token, PaLM appendix B convention: 6N + 12·L·h·s (as DecoderShape.flops_per_token)."""
-        return self.args.flops_per_token(self.seq_len)
+        """Training FLOPs per token, PaLM appendix B convention: 6N + 12·L·h·s (as DecoderShape.flops_per_token),
+        s the attention span (attention_len)."""
+        return self.args.flops_per_token(self.attention_len)
 
 
 @dataclass

@@ -53,7 +53,8 @@ def print_plan(report: PlanReport) -> None:
     a = w.args
     con.print(
         f"[bold]{w.model_name}[/] ({a.num_params() / 1e9:.2f} B params, {a.n_layers} layers, dim {a.dim}) · "
-        f"seq {w.seq_len} · global batch {w.global_batch} ({w.tokens_per_step:,} tokens/step)"
+        f"seq {w.seq_len}{f' (packed documents of {w.doc_len})' if w.doc_len else ''} · global batch "
+        f"{w.global_batch} ({w.tokens_per_step:,} tokens/step)"
     )
     con.print(
         f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · {c.nodes} node(s) of {c.gpus_per_node} · "

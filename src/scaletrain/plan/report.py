@@ -36,7 +36,7 @@ class PlanReport:
         work, cluster, result = self.result.work, self.result.cluster, self.result
         return {
             "model": {"name": work.model_name, **dataclasses.asdict(work.args), "params": work.args.num_params()},
-            "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch},
+            "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch, "doc_len": work.doc_len},
             "cluster": {
                 "gpu": cluster.gpu.name,
                 "gpus": cluster.gpus,

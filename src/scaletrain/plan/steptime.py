@@ -220,7 +220,7 @@ def time_breakdown(
     layer_fwd = (
         tok * matmul_flops_per_token_layer(args) / tp / r_block_mm
         + cast_fwd
-        + tok * attention_flops_per_token_layer(args, s) / tp / r_attn
+        + tok * attention_flops_per_token_layer(args, work.attention_len) / tp / r_attn
         + pointwise_fwd
     )
     loss_per_vocab = MEGATRON_LOSS_BYTES_PER_VOCAB if args.block == "gpt" else LOSS_BYTES_PER_VOCAB
@@ -229,11 +229,11 @@ def time_breakdown(
     # backward: twice the forward's FLOPs (and casts), and its own memory-bound ops
     layer_bwd, selective_fwd = 2.0 * (layer_fwd - pointwise_fwd) + pointwise_bwd, pointwise_fwd
     if args.block == "gpt":  # Megatron's GPT block, op by op on efficiency curves (plan/efficiency.py)
-        layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, s, tp, r_mm, cluster, e)
+        layer_fwd, layer_bwd, selective_fwd = gpt_layer_seconds(args, tok, work.attention_len, tp, r_mm, cluster, e)
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + loss_fwd
     elif cluster.measured_matmul_curve:  # `scaletrain bench` curves: each GEMM and kernel at its measured rate
         layer_fwd, layer_bwd, selective_fwd = llama_layer_seconds(
-            args, tok, s, tp, r_mm, r_attn, (point_fwd_bytes, point_bwd_bytes), cluster, e
+            args, tok, work.attention_len, tp, r_mm, r_attn, (point_fwd_bytes, point_bwd_bytes), cluster, e
         )
         loss_bytes = tok * loss_per_vocab / 3 * args.vocab_size / tp
         out_fwd = gemm_seconds(tok, args.vocab_size / tp, args.dim, r_mm, cluster, e) + pointwise_seconds(

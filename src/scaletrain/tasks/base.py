@@ -7,9 +7,10 @@ the registry finds it (tasks/registry.py) and the job's `[task] name` picks it. 
 
 - before launch: whether this job's model and data fit it (`check`, then `check_data`, which may open datasets);
 - its data: the training and validation loaders of one data-parallel rank, yielding the batches it expects;
-- per batch: what the model's forward takes (`inputs`: the first pipeline stage's input) and what its loss
-  compares the outputs with (`targets`: given to the last stage), both tensors of a leading batch dimension, and
-  whether both are (B, S, ...) sequences context parallelism may split (`sequences`);
+- per batch: what the model's forward takes (`inputs`: the first pipeline stage's input; `forward_kwargs`: keyword
+  tensors every stage's forward takes, e.g. packed documents' positions) and what its loss compares the outputs
+  with (`targets`: given to the last stage), all tensors of a leading batch dimension, and whether they are
+  (B, S, ...) sequences context parallelism may split (`sequences`);
 - the loss: summed over the units `count` counts (`loss_sum`), the same function on every path (plain,
   accumulation, loss-parallel logits, the pipeline's last stage);
 - the count: the units one batch's loss is a sum over (tokens here; trained tokens only under a loss mask;
@@ -48,8 +49,9 @@ class Task(ABC):
     # what `count` counts: throughput is reported as `<unit>_per_s`
     unit: ClassVar[str] = "tokens"
     # False: every batch of the same shape counts the same (the step's total needs no collective); True: the count
-    # depends on the batch's content (a loss mask), and the step's total is summed over the ranks (one all-reduce)
-    counts_vary: ClassVar[bool] = False
+    # depends on the batch's content (a loss mask), and the step's total is summed over the ranks (one all-reduce).
+    # A task may set it per instance once its data is known (`loaders`), the same on every rank.
+    counts_vary: bool = False
 
     def __init__(self, options: Any = None):
         self.options = options if options is not None else self.options_type()
@@ -73,6 +75,11 @@ class Task(ABC):
     def inputs(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What the model's forward takes, (B, ...) on the host: one tensor, or a tuple of the forward's positional
         arguments (e.g. token ids and positions, or pixels and token ids)."""
+
+    def forward_kwargs(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward, (B, ...) on the host, given to every pipeline stage (not only
+        the first, unlike `inputs`), e.g. the positions and document ids of packed rows; none by default."""
+        return {}
 
     @abstractmethod
     def targets(self, batch: Any) -> torch.Tensor:

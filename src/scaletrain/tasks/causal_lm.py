@@ -1,9 +1,14 @@
 """causal-lm: next-token prediction on a token stream, the task of pre-training and continued pre-training.
 
 Batch: data.Batch, (B, S) int64 inputs and the same tokens shifted by one as targets (IGNORE_INDEX where the loss
-skips a target, e.g. a document's first token under data.mask_doc_starts). Loss: summed token cross-entropy with
-logits in fp32 (models/loss.py). Count: every target position, B·S per batch (masked ones included, so a step's
-normaliser is fixed by the config and needs no collective). Evaluation: mean token loss of the validation split.
+skips a target, e.g. a document's first token under data.mask_doc_starts); packed rows (data.packing="document")
+also carry each token's position in its document and its document id, given to the model by keyword. Loss: summed
+token cross-entropy with logits in fp32 (models/loss.py). Count: for a plain token stream every target position,
+B·S per batch (masked ones included, so a step's normaliser is fixed by the config and needs no collective); where
+the data decides what is trained (a loss mask of chat data, or rows of whole documents under data.packing = pad or
+document, whose padding is never trained) the trained targets only, summed over the ranks (one all-reduce per
+step), so the loss is the mean over trained tokens under accumulation and every layout. Evaluation: mean loss of the
+validation split per counted token.
 """
 
 from __future__ import annotations
@@ -49,6 +54,16 @@ class CausalLM(Task):
                 f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_seq_len {spec.max_seq_len}; "
                 f"lower data.seq_len or raise model.max_seq_len"
             )
+        if cfg.data.packing == "document":
+            if not spec.packs_documents:
+                raise ValueError(
+                    f"data.packing: the {spec.family} model cannot attend per document; use data.packing=pad"
+                )
+            if cfg.parallel.cp > 1 and cfg.parallel.cp_method != "allgather":
+                raise ValueError(
+                    "data.packing: document packing under context parallelism attends per document with the "
+                    "allgather method only; set parallel.cp_method=allgather"
+                )
 
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """Every dataset opens, holds only ids the model can embed, passes its size (and checksum) checks and has
@@ -67,10 +82,20 @@ class CausalLM(Task):
         from scaletrain.data import build_loaders
 
         gb = cfg.train.global_batch_size
-        return build_loaders(cfg.data, self._vocab(spec), cfg.run.seed, gb, micro_batch, dp_rank, dp_size)
+        loaders = build_loaders(cfg.data, self._vocab(spec), cfg.run.seed, gb, micro_batch, dp_rank, dp_size)
+        # the same answer on every rank (every rank opens the same datasets): the step's count then needs a sum;
+        # a subclass counting by content itself keeps its own True
+        self.counts_vary = type(self).counts_vary or loaders[0].trained_only
+        return loaders
 
     def inputs(self, batch: Batch) -> torch.Tensor:
         return batch.inputs
+
+    def forward_kwargs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Packed rows' positions and document ids (the model attends within each document); none otherwise."""
+        if batch.positions is None or batch.documents is None:
+            return {}
+        return {"positions": batch.positions, "documents": batch.documents}
 
     def targets(self, batch: Batch) -> torch.Tensor:
         return batch.targets
@@ -82,7 +107,8 @@ class CausalLM(Task):
         return token_loss_sum(outputs, targets)
 
     def count(self, batch: Batch) -> int:
-        return batch.targets.numel()
+        """Trained targets where the data decides them (a loss mask, padded rows), else every target position."""
+        return batch.trained_tokens if batch.trained_only else batch.targets.numel()
 
     def flops_per_unit(self, cfg: JobConfig, spec: ModelSpec) -> float | None:
         try:

@@ -67,11 +67,15 @@ def _inputs(task: Task, batch: Any) -> tuple[torch.Tensor, ...]:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
+def _kwargs(job: Job, task: Task, batch: Any) -> dict[str, torch.Tensor]:
+    return {k: _shard(job, task, x).to(job.device, non_blocking=True) for k, x in task.forward_kwargs(batch).items()}
+
+
 def loss_sum(job: Job, task: Task, batch: Any) -> torch.Tensor:
     """The task's summed loss of one micro-batch through the model (forward under autocast; loss in fp32)."""
     inputs = [_shard(job, task, x).to(job.device, non_blocking=True) for x in _inputs(task, batch)]
     with job.autocast():
-        outputs = job.model(*inputs)
+        outputs = job.model(*inputs, **_kwargs(job, task, batch))
     return task.loss_sum(outputs, _shard(job, task, task.targets(batch)).to(job.device))
 
 
@@ -79,12 +83,17 @@ def _owned(job: Job, loss: torch.Tensor) -> torch.Tensor:
     return loss if job.owns_loss else torch.zeros_like(loss)
 
 
-def _whole(micro_batches: list, job: Job, task: Task) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The rank's micro-batches as one batch (the pipeline schedule splits it again): (model inputs, targets)."""
+def _whole(
+    micro_batches: list, job: Job, task: Task
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, dict[str, torch.Tensor]]:
+    """The rank's micro-batches as one batch (the pipeline schedule splits it again): (model inputs, targets,
+    forward keyword arguments)."""
     columns = zip(*(_inputs(task, mb) for mb in micro_batches), strict=True)
     inputs = tuple(_shard(job, task, torch.cat(col).to(job.device)) for col in columns)
     targets = torch.cat([task.targets(mb) for mb in micro_batches]).to(job.device)
-    return inputs, _shard(job, task, targets)
+    per_mb = [task.forward_kwargs(mb) for mb in micro_batches]
+    kwargs = {k: _shard(job, task, torch.cat([kw[k] for kw in per_mb]).to(job.device)) for k in per_mb[0]}
+    return inputs, _shard(job, task, targets), kwargs
 
 
 def forward_backward(
@@ -103,7 +112,8 @@ def forward_backward(
     if job.pipeline is not None:
         # the schedule splits the rank's batch into the same micro-batches and interleaves their passes
         with timer.phase("fb"), job.autocast():
-            return _owned(job, job.pipeline.step(*_whole(micro_batches, job, task), loss_scale, task.loss_sum))
+            inputs, targets, kwargs = _whole(micro_batches, job, task)
+            return _owned(job, job.pipeline.step(inputs, targets, loss_scale, task.loss_sum, kwargs))
     total = torch.zeros((), device=job.device)
     for i, mb in enumerate(micro_batches):
         with job.accumulate(sync=i == len(micro_batches) - 1), _loss_context(job):
@@ -129,7 +139,8 @@ def evaluate(job: Job, task: Task, loader, batches: int) -> dict[str, float]:
         count += step_count(job, task, micro_batches)
         if job.pipeline is not None:
             with job.autocast():
-                total += job.pipeline.evaluate(*_whole(micro_batches, job, task), task.loss_sum)
+                inputs, targets, kwargs = _whole(micro_batches, job, task)
+                total += job.pipeline.evaluate(inputs, targets, task.loss_sum, kwargs)
             continue
         for mb in micro_batches:
             with _loss_context(job):

@@ -61,11 +61,13 @@ def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> Par
 
 
 def build_loaders(
-    cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int
+    cfg: JobConfig, resolved: ResolvedJob, dp_rank: int, dp_size: int, task: Task | None = None
 ) -> tuple[DistributedLoader, DistributedLoader]:
     """(training loader, validation loader) of this data-parallel rank, as the job's task reads its data. The data
-    needs no check here: `resolved` comes from resolve_job, which had the task check it against the model."""
-    return task_for(cfg.task).loaders(cfg, resolved.spec, resolved.layout.micro_batch, dp_rank, dp_size)
+    needs no check here: `resolved` comes from resolve_job, which had the task check it against the model.
+    task: the instance that then counts the batches (its data may decide what it counts: Task.counts_vary)."""
+    task = task or task_for(cfg.task)
+    return task.loaders(cfg, resolved.spec, resolved.layout.micro_batch, dp_rank, dp_size)
 
 
 @dataclass
@@ -94,8 +96,11 @@ class Trainer:
         model = build_model(cfg, resolved, mesh, rt)
         optimizer = build_optimizer(model.module, cfg.train)
         job = Job.for_model(model, optimizer, rt, cfg.train.grad_clip)
-        loader, val_loader = build_loaders(cfg, resolved, job.dp_rank, job.dp_size)
-        return cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
+        task = task_for(cfg.task)
+        loader, val_loader = build_loaders(cfg, resolved, job.dp_rank, job.dp_size, task)
+        trainer = cls(cfg, rt, resolved, mesh, model, job, build_scheduler(optimizer, cfg.train), loader, val_loader)
+        trainer.__dict__["task"] = task  # the instance that read the data counts its batches (the cached task)
+        return trainer
 
     @property
     def spec(self) -> ModelSpec:

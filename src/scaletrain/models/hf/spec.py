@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, cast
 
 from scaletrain.models.hf.args import HFArgs, read_folder
+from scaletrain.models.hf.packing import take_packed_rows
 from scaletrain.models.spec import (
     CONFIG_TP_WORDS,
     DecoderShape,
@@ -39,6 +40,7 @@ class HFSpec(ModelSpec):
     family = "hf"
     args_type = HFArgs
     selected_by = "hf"  # model.hf = FOLDER
+    packs_documents = True  # through position_ids (models/hf/packing.py)
 
     args: HFArgs
     # what the user calls the config's fields, for messages: the folder's config.json, or setup()'s model.config
@@ -177,6 +179,7 @@ class HFSpec(ModelSpec):
             model = cls._from_config(self.config, dtype=torch.float32)
         model.train()
         model.register_forward_hook(_logits_only)
+        take_packed_rows(model)
         return model
 
     def param_init_std(self, name: str) -> float | None:

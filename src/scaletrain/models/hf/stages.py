@@ -74,10 +74,13 @@ def check_stages(spec: Any) -> None:
         raise ValueError(f"parallel.pp: {spec.architecture} has more than one final norm; use parallel.pp=1")
 
 
-def _stage_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """tokens (first stage) or hidden states (later stages) -> hidden states, or logits on the last stage."""
+def _stage_forward(self: Any, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens (first stage) or hidden states (later stages) -> hidden states, or logits on the last stage.
+    position_ids: of packed rows (models/hf/packing.py), given to every stage."""
     info = self._scaletrain_stage
-    kwargs = {"input_ids": x} if info["first"] else {"inputs_embeds": x}
+    kwargs: dict[str, Any] = {"input_ids": x} if info["first"] else {"inputs_embeds": x}
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
     if info["last"]:
         return info["cls"].forward(self, **kwargs).logits
     return getattr(self, info["prefix"])(**kwargs).last_hidden_state

@@ -7,6 +7,10 @@ some of them; `tok_embeddings`, `norm` and `output` may be None on stages that d
 lean_activations (default on) keeps less for backward at the same results: attention takes the unrepeated
 grouped-query k/v (SDPA's enable_gqa) instead of keeping repeated copies, and SwiGLU recomputes its SiLU in
 backward instead of keeping the SiLU output (plan/memory.py counts both ways; tests measure them).
+
+Packed rows (data.packing = "document") come with each token's position inside its document and its document's
+index in the row: rotary embeddings are taken at those positions and attention is block-causal, never crossing a
+document (models/document_attention.py), so a packed row computes what its documents would one per row.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.models.document_attention import DocumentMask, document_attention, document_mask
 from scaletrain.models.llama.args import LlamaArgs
 
 
@@ -28,11 +33,12 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float) -> tuple[torc
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, S, H, D); rotates pairs (x[2i], x[2i+1]) as in the original Llama code."""
+    """x: (B, S, H, D); rotates pairs (x[2i], x[2i+1]) as in the original Llama code. cos/sin: (S, D/2) tables,
+    or (B, S, D/2) taken at every token's own position (packed documents)."""
     x2 = x.float().unflatten(-1, (-1, 2))
     a, b = x2[..., 0], x2[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = cos[:, :, None, :] if cos.dim() == 3 else cos[None, :, None, :]
+    sin = sin[:, :, None, :] if sin.dim() == 3 else sin[None, :, None, :]
     out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return out.type_as(x)
 
@@ -53,8 +59,12 @@ class CausalAttention(nn.Module):
         super().__init__()
         self.lean = lean
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
+        if mask is not None:  # packed documents: block-causal
+            return document_attention(q, k, v, mask, self.lean and _sdpa_takes_gqa(q))
         if rep > 1 and self.lean and _sdpa_takes_gqa(q):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if rep > 1:
@@ -95,18 +105,21 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core: nn.Module = CausalAttention(lean_activations)  # no parameters: names and checkpoints are unchanged
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # the rotary tables come whole: under sequence parallelism the block's input is a sequence shard, and
-        # only here (after the all-gather) is the full length known
-        cos, sin = cos[:seq], sin[:seq]
+        # only here (after the all-gather) is the full length known; per-token tables (B, S, D/2) are already
+        if cos.dim() == 2:
+            cos, sin = cos[:seq], sin[:seq]
         # -1 for the head count lets tensor parallelism hand this module a shard of the heads
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -132,8 +145,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args, lean_activations)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        # the mask goes by keyword: sequence parallelism's input hooks lay out the positional inputs only
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -162,14 +178,21 @@ class Llama(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out."""
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out.
+        positions, documents: (B, S) int64 of packed rows, each token's position inside its document and the
+        document's index in the row (both or neither); attention then stays inside each document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
-        if self.positions is not None:
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        elif self.positions is not None:
             cos, sin = cos[self.positions], sin[self.positions]
+        mask = document_mask(documents) if documents is not None else None
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class LlamaSpec(ModelSpec):
     family = "llama"
     args_type = LlamaArgs
+    packs_documents = True
 
     args: LlamaArgs
 
