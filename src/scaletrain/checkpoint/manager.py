@@ -18,7 +18,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,7 +61,18 @@ def _set_rng_state(state: dict) -> None:
 
 # Flattened optimizer state: one key per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), so ranks
 # holding different parameters (pipeline stages) never collide on a key and any layout can load any other's.
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen weights (a LoRA base) are left out: they come from the model's init at every start, so an adapter
+# checkpoint holds the adapters alone (a full fine-tune has no frozen weights: nothing changes there).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+
+
+def _load_options(model) -> StateDictOptions:
+    """OPTIONS for loading; with frozen weights (LoRA) the model's state is loaded non-strictly, since the frozen
+    weights it leaves out come from the model's init (every trainable key is still read: DCP fails on a missing one)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return replace(OPTIONS, strict=False) if frozen else OPTIONS
+
+
 _STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
 
 
@@ -214,7 +225,7 @@ class CheckpointManager:
             optimizer,
             model_state_dict={m_back[k]: v for k, v in state["model"].items()},
             optim_state_dict={o_back[k]: v for k, v in state["optim"].items()},
-            options=OPTIONS,
+            options=_load_options(model),
         )
         trainer = json.loads((path / "trainer.json").read_text())
         manifest = json.loads((path / "manifest.json").read_text())
