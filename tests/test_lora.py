@@ -252,3 +252,37 @@ def test_export_onto_another_base_is_refused(clean_run, tmp_path):
     )
     assert proc.returncode == 2 and "trained on another base" in proc.stderr
     assert not out.exists()
+
+
+# -- a Hugging Face family (qwen3: q/k norms, tied embedding) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    from test_hf_models import FAMILIES, STEPS as HF_STEPS, save_hf_folder
+
+    out = tmp_path_factory.mktemp("lora_hf")
+    folder = save_hf_folder(out / "qwen3", FAMILIES["qwen3"])
+    job = [*HF_STEPS, f"model.hf={folder}", *LORA]
+    fit = [f"run.output_dir={out / 'fit'}", "run.name=qwen3", "checkpoint.save_final=true"]
+    launch_runner(1, {"single": [*job, "parallel.dp_shard=1"], "fit": [*job, *fit]}, out, fit=frozenset({"fit"}))
+    return out, folder
+
+
+def test_hf_family_export_peft_and_merged_give_equal_logits(hf_runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, folder = hf_runs
+    ckpt = out / "fit" / "qwen3" / "checkpoints" / "step_00000005"
+    for fmt in ("peft", "hf"):
+        run_cli_in_process(["ckpt", "export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt)], tmp_path)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder)
+    base = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    tokens = torch.randint(0, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = base(tokens).logits.clone()
+        with_peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+        adapted = with_peft(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()(tokens).logits
+    assert not torch.allclose(adapted, before, atol=1e-4)  # the adapters trained and were loaded
+    assert torch.allclose(adapted, merged, atol=TOL, rtol=0)
+    assert len(runner_losses(out / "single")) == 5

@@ -88,6 +88,9 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str
     model_sd = plain_weights(model_sd)  # fp8: the high-precision weights, not torchao's float8 wrappers
     staged = isinstance(model, PipelinedModel)
     rename = _plain_key if staged else plain_param_name
+    # ignore_frozen_params misses a frozen weight's second name (a tied output layer): leave every name of it out
+    frozen = {rename(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_sd = {k: v for k, v in model_sd.items() if rename(k) not in frozen}
     m_back = {rename(k): k for k in model_sd}
     o_back = {rename(k): k for k in optim_sd}
     return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()}, m_back, o_back)
