@@ -197,7 +197,9 @@ def test_resume_after_sigkill_bit_identical(clean_run):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert not _final(cwd / "runs" / "killed").exists()  # killed before its last step
     run_cli(["train", *FAST, "run.name=killed", *CKPT], cwd)
+    assert "resumed from" in (cwd / "runs" / "killed" / "logs" / "rank0.log").read_text()
     got, want = read_adapters(_final(cwd / "runs" / "killed")), read_adapters(_final(ref))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
