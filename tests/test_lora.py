@@ -183,6 +183,7 @@ def test_checkpoint_holds_adapters_and_names_its_base(clean_run):
     assert manifest["bytes"] < 4 * spec.num_params()  # less than the fp32 base alone: the base is not in it
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_bit_identical(clean_run):
     from scaletrain.checkpoint.adapters import read_adapters
 
