@@ -177,11 +177,15 @@ def export_checkpoint(
 ) -> list[Path]:
     """Write the weights of `ckpt` into folder `out` in format safetensors | hf (streamed: safetensors files of at
     most `max_shard_size` bytes, with an index when several) | torch (consolidated in memory)."""
-    if fmt not in ("torch", "safetensors", "hf"):
-        raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf or torch")
+    if fmt not in ("torch", "safetensors", "hf", "peft"):
+        raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf, peft or torch")
     max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     manifest = _committed_manifest(ckpt)
     spec = manifest_spec(manifest) if ("model_spec" in manifest or "model_args" in manifest) else None
+    if "lora" in manifest and spec is not None:  # adapters only (checkpoint/adapters.py)
+        return _export_lora(ckpt, out, fmt, spec, manifest["lora"], max_shard_bytes)
+    if fmt == "peft":
+        raise ValueError(f"--format peft: {ckpt} holds a full fine-tune, not LoRA adapters; use --format hf")
     hf = _hf(spec, "--format hf") if fmt == "hf" else None  # refused before reading any weights
     if fmt == "torch":
         state, _ = load_full_model_state(ckpt)
@@ -200,6 +204,23 @@ def export_checkpoint(
         return written
     (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
     return [*written, out / "config.json"]
+
+
+def _export_lora(ckpt: Path, out: Path, fmt: str, spec: ModelSpec, lora: dict, max_shard_bytes: int) -> list[Path]:
+    """A LoRA checkpoint: peft (the adapter folder), hf (merged into its base), safetensors/torch (the adapters
+    under scaletrain's names). Every check runs before anything is written."""
+    from scaletrain.checkpoint.adapters import check_base, export_merged, export_peft, read_adapters
+
+    check_base(lora, spec)
+    if fmt == "peft":
+        return export_peft(ckpt, out, spec, lora)
+    if fmt == "hf":
+        return export_merged(ckpt, out, spec, lora)
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "torch":
+        torch.save(read_adapters(ckpt), out / "adapters.pt")
+        return [out / "adapters.pt"]
+    return _write_streamed(ckpt, out, _saved_entries(ckpt), lambda state: state, max_shard_bytes)
 
 
 def read_hf_weights(folder: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,7 +61,18 @@ def _set_rng_state(state: dict) -> None:
 
 # Flattened optimizer state: one key per parameter ("state.<name>.exp_avg", "param_groups.<name>.lr"), so ranks
 # holding different parameters (pipeline stages) never collide on a key and any layout can load any other's.
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen weights (a LoRA base) are left out: they come from the model's init at every start, so an adapter
+# checkpoint holds the adapters alone (a full fine-tune has no frozen weights: nothing changes there).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+
+
+def _load_options(model) -> StateDictOptions:
+    """OPTIONS for loading; with frozen weights (LoRA) the model's state is loaded non-strictly, since the frozen
+    weights it leaves out come from the model's init (every trainable key is still read: DCP fails on a missing one)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return replace(OPTIONS, strict=False) if frozen else OPTIONS
+
+
 _STAGE_PREFIX = re.compile(r"^((?:state|param_groups)\.)?\d+\.")
 
 
@@ -77,6 +88,9 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str
     model_sd = plain_weights(model_sd)  # fp8: the high-precision weights, not torchao's float8 wrappers
     staged = isinstance(model, PipelinedModel)
     rename = _plain_key if staged else plain_param_name
+    # ignore_frozen_params misses a frozen weight's second name (a tied output layer): leave every name of it out
+    frozen = {rename(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_sd = {k: v for k, v in model_sd.items() if rename(k) not in frozen}
     m_back = {rename(k): k for k in model_sd}
     o_back = {rename(k): k for k in optim_sd}
     return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()}, m_back, o_back)
@@ -214,7 +228,7 @@ class CheckpointManager:
             optimizer,
             model_state_dict={m_back[k]: v for k, v in state["model"].items()},
             optim_state_dict={o_back[k]: v for k, v in state["optim"].items()},
-            options=OPTIONS,
+            options=_load_options(model),
         )
         trainer = json.loads((path / "trainer.json").read_text())
         manifest = json.loads((path / "manifest.json").read_text())

@@ -119,11 +119,12 @@ def verify_cmd(path: Path) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["safetensors", "hf", "torch"]),
+    type=click.Choice(["safetensors", "hf", "peft", "torch"]),
     default="safetensors",
     show_default=True,
     help="safetensors: the model's own parameter names; hf: a folder transformers' from_pretrained loads (config.json, "
-    "safetensors in transformers' names and layout); torch: one model.pt.",
+    "safetensors in transformers' names and layout; a LoRA run's adapters merged into its base); peft: a LoRA run's "
+    "adapter folder peft.PeftModel.from_pretrained loads; torch: one model.pt.",
 )
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (created).")
 @click.option(

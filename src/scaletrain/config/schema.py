@@ -478,6 +478,21 @@ class LaunchConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (peft's LoRA) on a frozen base; rank 0 (the default) trains every weight."""
+
+    rank: int = Field(0, ge=0, le=65536, description="adapter rank r; 0: LoRA off, full fine-tuning")
+    alpha: int = Field(
+        16, ge=1, le=65536, description="scaling numerator (peft's lora_alpha): adapters add (alpha / rank) * B @ A x"
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input (0: deterministic)")
+    targets: list[str] | None = Field(
+        None,
+        description="module-name suffixes to adapt (peft's target_modules); default: the family's attention and "
+        "MLP projections",
+    )
+
+
 class JobConfig(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -487,6 +502,7 @@ class JobConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 

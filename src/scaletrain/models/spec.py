@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 from pydantic import Field
 
 from scaletrain.config.schema import MAX_MODEL_DIM, MAX_TOKENS_PER_SEQUENCE
-from scaletrain.models.naming import plain_param_name
+from scaletrain.models.naming import is_adapter_name, plain_param_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -226,6 +226,11 @@ class ModelSpec(ABC):
         """{module path: ParallelStyle} for `model` (or a stage of it)."""
         raise ValueError(f"parallel.tp: the {self.family} family has no tensor-parallel plan; use parallel.tp=1")
 
+    # -- LoRA -----------------------------------------------------------------------------------------------
+    def lora_targets(self) -> list[str]:
+        """Module-name suffixes LoRA adapts by default (lora.targets unset): the attention and MLP projections."""
+        raise ValueError(f"lora.targets: the {self.family} family names no default LoRA targets; set lora.targets")
+
     # -- context parallelism --------------------------------------------------------------------------------
     supports_cp: ClassVar[bool] = False  # can each rank hold part of a sequence (causal attention, RoPE positions)?
 
@@ -309,6 +314,8 @@ def init_by_name(model: nn.Module, seed: int, std_of: Callable[[str], float | No
     with torch.no_grad():
         for name, p in model.named_parameters():
             clean = plain_param_name(name)
+            if is_adapter_name(clean):  # LoRA's own weights: models/lora.py init_adapters fills them
+                continue
             std = std_of(clean)
             if std is None:
                 full = torch.ones(p.shape, dtype=torch.float32)

@@ -25,6 +25,23 @@ class ResolvedJob:
     layout: Layout
 
 
+def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
+    """ValueError (one line) for LoRA settings this model or layout cannot train."""
+    from scaletrain.models.lora import check_lora
+
+    check_lora(cfg.lora, spec)
+    if degrees.tp > 1:  # adapters would have to follow their base's TP sharding: not built yet
+        raise ValueError("lora.rank: LoRA under tensor parallelism is not supported yet; use parallel.tp=1")
+    if degrees.cp > 1:
+        raise ValueError("lora.rank: LoRA under context parallelism is not supported yet; use parallel.cp=1")
+    if cfg.precision.fp8 != "none":
+        raise ValueError("lora.rank: LoRA on float8 linears is not supported; use precision.fp8='none'")
+    if cfg.checkpoint.init_from_hf:
+        raise ValueError(
+            "checkpoint.init_from_hf: not supported with LoRA yet; start from model.hf=FOLDER (an HF model folder)"
+        )
+
+
 def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     """Check the config against a world size; raise ValueError whose message names the field and the fix.
     precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
@@ -50,6 +67,8 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
             f"{micro} on {dp} data-parallel ranks; pick a divisor of {gb // dp}"
         )
     check_layout(cfg, spec, degrees)
+    if cfg.lora.rank:
+        check_lora_job(cfg, spec, degrees)
     piped = degrees.pp > 1
     if piped:
         micro = gb // dp // pipeline_microbatches(cfg, degrees)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from scaletrain.checkpoint import CheckpointManager
 from scaletrain.checkpoint.export import load_hf_weights
+from scaletrain.models.lora import lora_manifest
 from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
@@ -79,6 +80,7 @@ def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
             "world_size": rt.world_size,
             "model": cfg.model.name,
             "model_spec": trainer.spec.manifest(),
+            **({"lora": lora_manifest(cfg.lora, trainer.spec, cfg.run.seed)} if cfg.lora.rank else {}),
         },
     )
 

@@ -11,13 +11,16 @@ from scaletrain.config.schema import TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on 2-D+ weights, none on norms (GPT-2 / Llama convention)."""
+    """AdamW over the trainable weights; weight decay on 2-D+ weights, none on norms (GPT-2 / Llama convention)."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # only trainable weights (a LoRA base is frozen: no optimizer state); an empty group (LoRA's adapters are all
+    # matrices) is left out: DCP's flattened optimizer state cannot load a group without parameters
+    groups = [g for g in groups if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 

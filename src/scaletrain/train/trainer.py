@@ -55,9 +55,21 @@ class StepResult:
 
 def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> ParallelModel:
     """The job's model from its spec, built on meta and laid out for the mesh (weights filled by name)."""
-    spec = resolved.spec
+    spec, seed = resolved.spec, cfg.run.seed
     plan = ParallelPlan(resolved.layout, cfg.parallel, cfg.precision, spec, seq_len=cfg.data.seq_len)
-    return apply_parallelism(spec.build("meta"), plan, mesh, rt.device, lambda m: spec.init_weights(m, cfg.run.seed))
+    model = spec.build("meta")
+    if not cfg.lora.rank:
+        return apply_parallelism(model, plan, mesh, rt.device, lambda m: spec.init_weights(m, seed))
+    from scaletrain.models.lora import add_lora, init_adapters
+
+    # adapters go on before any layout step (the apply order then lays out the adapted model as any other)
+    model = add_lora(model, cfg.lora, spec)
+
+    def init(m) -> None:
+        spec.init_weights(m, seed)  # the frozen base, by name or from model.hf's folder
+        init_adapters(m, seed)
+
+    return apply_parallelism(model, plan, mesh, rt.device, init)
 
 
 def build_loaders(

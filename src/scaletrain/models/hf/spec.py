@@ -36,6 +36,9 @@ def _logits_only(module, args, output):
     return output.logits if hasattr(output, "logits") else output
 
 
+HF_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class HFSpec(ModelSpec):
     family = "hf"
     args_type = HFArgs
@@ -211,6 +214,17 @@ class HFSpec(ModelSpec):
             else:
                 raise FieldError("model.hf", f"no deterministic init for {type(module).__name__}.{leaf}")
         return cache[key]
+
+    def lora_targets(self) -> list[str]:
+        """The Llama-style projection names this model has (q/k/v/o, gate/up/down; Qwen, Mistral, Gemma, ...)."""
+        names = {name.rpartition(".")[2] for name, _ in self.meta_model.named_modules()}
+        found = [n for n in HF_PROJECTIONS if n in names]
+        if not found:
+            raise ValueError(
+                f"lora.targets: {self.architecture} has none of the usual projections ({', '.join(HF_PROJECTIONS)}); "
+                f"set lora.targets to its linear layers' names"
+            )
+        return found
 
     def init_buffers(self, model: nn.Module) -> None:
         """Non-persistent buffers (rotary tables, Gemma's embedding scale) are garbage after to_empty():

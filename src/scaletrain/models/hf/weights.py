@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from scaletrain.models.naming import plain_param_name
+from scaletrain.models.naming import is_adapter_name, plain_param_name
 from scaletrain.models.spec import HFAdapter
 
 if TYPE_CHECKING:
@@ -219,6 +219,8 @@ def load_weights(model: nn.Module, folder: str | Path, spec: Any) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             key = plain_param_name(name)
+            if is_adapter_name(key):  # LoRA's weights are not in the base folder (models/lora.py fills them)
+                continue
             local = p.to_local() if isinstance(p, DTensor) else p
             piece = _local_slice(p)
             if piece is None:

@@ -46,6 +46,9 @@ class LlamaSpec(ModelSpec):
 
         return param_init_std(name, self.args)
 
+    def lora_targets(self) -> list[str]:
+        return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]  # attention and SwiGLU projections (model.py)
+
     def init_buffers(self, model: nn.Module) -> None:
         from scaletrain.models.llama.model import Llama
 

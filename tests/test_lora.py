@@ -1,0 +1,291 @@
+"""LoRA (peft adapters on a frozen base), fp32 on CPU: the trainer's adapted model is peft's model, only adapters
+train (gradients, optimizer state, checkpoints), every layout equals one process, and the exported adapter folder
+(peft) and merged model (transformers) give the trained model's logits."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, run_cli, run_cli_in_process
+from test_parallel_layouts import launch_runner, runner_losses
+
+from scaletrain.config import load_config
+from scaletrain.models.lora import add_lora, init_adapters
+from scaletrain.models.naming import is_adapter_name, plain_param_name
+from scaletrain.resolve import resolve_job
+
+TOL = 1e-5
+LORA = ["lora.rank=4", "lora.alpha=8", "train.lr=0.01"]
+STEPS = 4
+
+
+def _trainer(tmp_path: Path, extra: list[str] = ()):
+    from scaletrain.train import Trainer
+
+    cfg = load_config(None, [*FAST, f"train.steps={STEPS}", *LORA, f"run.output_dir={tmp_path}", *extra])
+    return Trainer.build(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A one-process LoRA trainer after STEPS steps, with its frozen weights as they started."""
+    trainer = _trainer(tmp_path_factory.mktemp("lora"))
+    model = trainer.model.module
+    start = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    grad_elements = []
+    for _ in range(STEPS):
+        mb = trainer.loader.next_step()
+        from scaletrain.train.step import forward_backward, step_count
+
+        count = step_count(trainer.job, trainer.task, mb)
+        forward_backward(trainer.job, trainer.task, mb, trainer.layout.grad_average / count)
+        grad_elements.append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
+        trainer.job.step(skip_nonfinite=False)
+        trainer.scheduler.step()
+    return trainer, start, grad_elements
+
+
+def test_only_adapters_get_gradients_and_optimizer_state(trained):
+    trainer, start, grad_elements = trained
+    model = trainer.model.module
+    adapters = {n: p for n, p in model.named_parameters() if is_adapter_name(plain_param_name(n))}
+    assert adapters and all(p.requires_grad for p in adapters.values())
+    adapter_elements = sum(p.numel() for p in adapters.values())
+    assert grad_elements == [adapter_elements] * STEPS  # no gradient allocated for a frozen weight
+    assert adapter_elements < sum(p.numel() for p in model.parameters()) // 10
+    state_ids = {id(p) for p in trainer.job.optimizer.state}
+    assert state_ids == {id(p) for p in adapters.values()}
+    names = {plain_param_name(n) for n in adapters}
+    assert any(".lora_B." in n for n in names) and any(".lora_A." in n for n in names)
+
+
+def test_frozen_weights_bit_identical_after_training(trained):
+    trainer, start, _ = trained
+    now = dict(trainer.model.module.named_parameters())
+    assert start and all(torch.equal(now[n], t) for n, t in start.items())
+    assert any(float(p.detach().abs().sum()) > 0 for n, p in now.items() if ".lora_B." in n)  # the adapters did train
+
+
+def test_the_adapted_model_is_peft_model(trained):
+    """Our model (peft layers injected on the family's model) equals peft's own get_peft_model on the same base."""
+    from peft import LoraConfig, get_peft_model
+
+    trainer, _, _ = trained
+    spec, ours = trainer.spec, trainer.model.module
+    base = spec.build("meta")
+    base.to_empty(device="cpu")
+    spec.init_weights(base, trainer.cfg.run.seed)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=spec.lora_targets()))
+    sd = {plain_param_name(k): v for k, v in ours.state_dict().items()}
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            key = plain_param_name(name.removeprefix("base_model.model."))
+            p.copy_(sd[key])
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), peft_model(tokens), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.targets=['nothing_here']", "lora.targets: ['nothing_here'] match no module"),
+        ("lora.rank=1000", "lora.rank: 1000 is larger than"),
+        ("parallel.tp=2", "lora.rank: LoRA under tensor parallelism is not supported yet; use parallel.tp=1"),
+    ],
+)
+def test_bad_lora_input_is_one_line(override, message):
+    cfg = load_config(None, [*FAST, *LORA, override])
+    with pytest.raises(ValueError) as e:
+        resolve_job(cfg, 2)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_lora_exits_2_before_launch(tmp_path):
+    proc = run_cli(["train", *FAST, *LORA, "lora.targets=['nothing_here']"], tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "lora.targets" in proc.stderr and not (tmp_path / "runs").exists()
+
+
+# -- every layout equals one process --------------------------------------------------------------------------------
+LAYOUTS = {
+    "ddp": ["parallel.dp_replicate=2"],
+    "fsdp": [],
+    "pp": ["parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=4"],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_layouts")
+    jobs = {n: [f"train.steps={STEPS}", *LORA, *o] for n, o in LAYOUTS.items()}
+    launch_runner(1, {"single": [f"train.steps={STEPS}", *LORA]}, out)
+    launch_runner(2, jobs, out)
+    return out
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n != "fsdp" else n for n in LAYOUTS])
+def test_layout_losses_equal_one_process(layouts, layout):
+    ref, got = runner_losses(layouts / "single"), runner_losses(layouts / layout)
+    assert len(ref) == len(got) == STEPS
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        assert abs(a - b) <= TOL, f"{layout} step {step}: {b} vs single-process {a}"
+    base = torch.load(layouts / "single" / "state_rank0.pt")
+    for rank_file in (layouts / layout).glob("state_rank*.pt"):
+        for name, t in torch.load(rank_file).items():  # frozen base as it started, adapters as one process
+            assert torch.allclose(t, base[name], atol=TOL, rtol=0), name
+
+
+# -- checkpoints: adapters only, resume after SIGKILL, export ---------------------------------------------------------
+CKPT_STEPS = 8
+CKPT = [
+    f"train.steps={CKPT_STEPS}",
+    *LORA,
+    "train.eval_interval=0",
+    "checkpoint.interval_steps=2",
+    "checkpoint.save_final=true",
+    "checkpoint.async_save=false",
+    "--nproc-per-node",
+    "1",
+]
+
+
+def _final(run: Path) -> Path:
+    return run / "checkpoints" / f"step_{CKPT_STEPS:08d}"
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("lora_ckpt")
+    run_cli(["train", *FAST, "run.name=clean", *CKPT], cwd)
+    return cwd, cwd / "runs" / "clean"
+
+
+def test_checkpoint_holds_adapters_and_names_its_base(clean_run):
+    from scaletrain.checkpoint.adapters import read_adapters
+    from scaletrain.models.lora import base_fingerprint
+
+    _, run = clean_run
+    manifest = json.loads((_final(run) / "manifest.json").read_text())
+    spec = resolve_job(load_config(None, [*FAST, *LORA]), 1).spec
+    assert manifest["lora"]["base"] == base_fingerprint(spec) and manifest["lora"]["rank"] == 4
+    adapters = read_adapters(_final(run))
+    assert adapters and all(is_adapter_name(n) for n in adapters)
+    assert manifest["bytes"] < 4 * spec.num_params()  # less than the fp32 base alone: the base is not in it
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_bit_identical(clean_run):
+    from scaletrain.checkpoint.adapters import read_adapters
+
+    cwd, ref = clean_run
+    args = [sys.executable, "-m", "scaletrain.cli.main", "train", *FAST, "run.name=killed", *CKPT]
+    # its own session: the SIGKILL takes the launcher and its rank at once, as a lost node would
+    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpts = cwd / "runs" / "killed" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpts / "step_00000004").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not _final(cwd / "runs" / "killed").exists()  # killed before its last step
+    run_cli(["train", *FAST, "run.name=killed", *CKPT], cwd)
+    assert "resumed from" in (cwd / "runs" / "killed" / "logs" / "rank0.log").read_text()
+    got, want = read_adapters(_final(cwd / "runs" / "killed")), read_adapters(_final(ref))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_peft_and_merged_hf_give_the_trained_logits(clean_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from scaletrain.checkpoint.adapters import base_state, read_adapters
+
+    _, run = clean_run
+    ckpt = _final(run)
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "peft", "--out", str(tmp_path / "peft")], tmp_path)
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    cfg = load_config(None, [*FAST, *LORA])
+    spec = resolve_job(cfg, 1).spec
+    # ours: the family's model with the checkpoint's adapters
+    ours = add_lora(spec.build("meta"), cfg.lora, spec)
+    ours.to_empty(device="cpu")
+    spec.init_weights(ours, cfg.run.seed)
+    init_adapters(ours, cfg.run.seed)
+    adapters = read_adapters(ckpt)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if plain_param_name(name) in adapters:
+                p.copy_(adapters[plain_param_name(name)])
+    base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in spec.hf.config().items() if k != "architectures"}))
+    base.load_state_dict(spec.hf.to_hf(base_state(spec, manifest["lora"])), strict=False)
+    with_peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ours(tokens)
+        assert float(want.std()) > 0
+        assert torch.allclose(with_peft(tokens).logits, want, atol=TOL, rtol=0)
+        assert torch.allclose(merged(tokens).logits, want, atol=TOL, rtol=0)
+
+
+def test_export_onto_another_base_is_refused(clean_run, tmp_path):
+    _, run = clean_run
+    import shutil
+
+    ckpt = tmp_path / "step_copy"
+    shutil.copytree(_final(run), ckpt)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["lora"]["base"] = "0" * 64
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "out"
+    proc = run_cli_in_process(
+        ["ckpt", "export", str(ckpt), "--format", "peft", "--out", str(out)], tmp_path, check=False
+    )
+    assert proc.returncode == 2 and "trained on another base" in proc.stderr
+    assert not out.exists()
+
+
+# -- a Hugging Face family (qwen3: q/k norms, tied embedding) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    from test_hf_models import FAMILIES, STEPS as HF_STEPS, save_hf_folder
+
+    out = tmp_path_factory.mktemp("lora_hf")
+    folder = save_hf_folder(out / "qwen3", FAMILIES["qwen3"])
+    job = [*HF_STEPS, f"model.hf={folder}", *LORA]
+    fit = [f"run.output_dir={out / 'fit'}", "run.name=qwen3", "checkpoint.save_final=true"]
+    launch_runner(1, {"single": [*job, "parallel.dp_shard=1"], "fit": [*job, *fit]}, out, fit=frozenset({"fit"}))
+    return out, folder
+
+
+def test_hf_family_export_peft_and_merged_give_equal_logits(hf_runs, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, folder = hf_runs
+    ckpt = out / "fit" / "qwen3" / "checkpoints" / "step_00000005"
+    for fmt in ("peft", "hf"):
+        run_cli_in_process(["ckpt", "export", str(ckpt), "--format", fmt, "--out", str(tmp_path / fmt)], tmp_path)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(folder)
+    base = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    tokens = torch.randint(0, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = base(tokens).logits.clone()
+        with_peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+        adapted = with_peft(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()(tokens).logits
+    assert not torch.allclose(adapted, before, atol=1e-4)  # the adapters trained and were loaded
+    assert torch.allclose(adapted, merged, atol=TOL, rtol=0)
+    assert len(runner_losses(out / "single")) == 5
