@@ -229,3 +229,34 @@ def test_sample_prompts_on_two_fsdp_ranks(tmp_path):
     [record] = [r for r in read_jsonl(tmp_path / "fsdp" / "metrics.jsonl") if "val_loss" in r]
     [sample] = record["samples"]
     assert sample["prompt"] == "def " and isinstance(sample["answer"], str) and sample["answer"]
+
+
+def test_a_hf_family_run_generates_as_transformers_own_model(chat_run, tmp_path):
+    """model.hf=FOLDER (Qwen3, tied embeddings): the completion from the run's checkpoint, built in memory, is the
+    one transformers' from_pretrained + generate give on the exported folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, vocab_size=chat_run["vocab"], max_position_embeddings=64,
+                  tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **fields)).save_pretrained(tmp_path / "qwen3")
+    run_cli(["train", f"model.hf={tmp_path / 'qwen3'}", f"data.path={chat_run['data']}", "data.seq_len=64",
+             "train.steps=3", "train.global_batch_size=4", "train.eval_batches=1", "monitor.progress=false",
+             "checkpoint.save_final=true", "checkpoint.async_save=false", f"run.output_dir={tmp_path}",
+             "run.name=qwen3", "--nproc-per-node", "1"], tmp_path, timeout=300)  # fmt: skip
+    question = ASKS[0].format("snow")
+    code, ours, err = _generate([str(tmp_path / "qwen3"), "--chat", question, "--max-new-tokens", "6"])
+    assert code == 0, err
+    result = CliRunner().invoke(main, ["ckpt", "export", str(tmp_path / "qwen3"), "--format", "hf", "--out",
+                                       str(tmp_path / "export")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    tok = PreTrainedTokenizerFast.from_pretrained(str(chat_run["tok"]))
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                         eos_token_id=[end], pad_token_id=end)[0, ids.shape[1]:].tolist()  # fmt: skip
+    assert ours == tok.decode(out, skip_special_tokens=True) + "\n"
