@@ -9,6 +9,7 @@ folder's own, or `--tokenizer DIR`. Every refusal is a ValueError of one line na
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,7 +93,9 @@ def load_weights(source: ModelSource) -> tuple[dict[str, torch.Tensor], ModelSpe
         model = folder_spec.build("cpu")
         folder_spec.init_weights(model, seed=0)  # the folder's safetensors
         return dict(model.state_dict()), folder_spec
-    weights, spec = load_full_model_state(source.path)
+    with warnings.catch_warnings():  # DCP says it loads in one process without a process group: that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        weights, spec = load_full_model_state(source.path)
     if spec is None:
         raise ValueError(
             f"PATH: {source.path} holds a model saved by scaletrain.setup() without a model spec; scaletrain cannot "
