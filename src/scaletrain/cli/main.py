@@ -15,6 +15,8 @@ from scaletrain.cli.ckpt import ckpt
 from scaletrain.cli.data import data
 from scaletrain.cli.doctor import doctor
 from scaletrain.cli.errors import fail
+from scaletrain.cli.eval import eval_cmd
+from scaletrain.cli.generate import generate
 from scaletrain.cli.launch import launch
 from scaletrain.cli.bench import bench
 from scaletrain.cli.plan import plan
@@ -251,6 +253,8 @@ main.add_command(launch)
 main.add_command(doctor)
 main.add_command(report)
 main.add_command(data)
+main.add_command(generate)
+main.add_command(eval_cmd)
 
 if __name__ == "__main__":
     main()

@@ -289,6 +289,13 @@ class TrainConfig(Section):
     max_skipped_steps: int = Field(
         10, ge=0, le=MAX_STEPS, description="nan_policy=skip: stop after this many skipped steps"
     )
+    sample_prompts: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="prompts answered (greedy, sample_tokens at most) at each evaluation into metrics.jsonl, "
+        "TensorBoard and the report; a chat turn when the data's tokenizer has a chat template, else plain text",
+    )
+    sample_tokens: int = Field(32, gt=0, le=4096, description="sample_prompts: tokens generated per answer, at most")
 
 
 class PrecisionConfig(Section):

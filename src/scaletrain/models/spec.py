@@ -108,6 +108,18 @@ class HFAdapter(ABC):
     def check_config(self, hf_config: dict) -> None:
         """ValueError (one line) when a Hugging Face config.json describes another model than this one."""
 
+    def causal_lm(self, state: dict[str, torch.Tensor]) -> Any:
+        """A transformers causal LM of this model holding `state` (our names), built in memory on the CPU with its
+        KV cache on, for transformers' `generate`: no files written."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        fields = dict(self.config())
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config.use_cache = True
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(self.to_hf(state), strict=True)
+        return model.eval()
+
     def write_config(self, out: Path) -> list[Path]:
         """Write the non-weight files of a transformers folder into `out` (config.json); returns them. The weights
         are written by checkpoint/export.py, a bounded group of `to_hf` outputs at a time."""

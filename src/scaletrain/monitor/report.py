@@ -212,6 +212,26 @@ def _run_facts(run_dir: Path) -> tuple[dict, tuple[dict, ...]]:
     return facts, run.attempts
 
 
+def _answers(records: list[dict]) -> str:
+    """train.sample_prompts' answers at each evaluation: one row per prompt, one column per evaluated step."""
+    evaluated = [r for r in records if isinstance(r.get("samples"), list)]
+    if not evaluated:
+        return ""
+    prompts = list(dict.fromkeys(s.get("prompt", "") for r in evaluated for s in r["samples"]))
+    head = "".join(f"<th>step {_e(r['step'])}</th>" for r in evaluated)
+    rows = "".join(
+        f'<tr><th><pre class="s">{_e(p)}</pre></th>'
+        + "".join(
+            f'<td><pre class="s">{_e(next((s.get("answer", "") for s in r["samples"] if s.get("prompt") == p), ""))}'
+            f"</pre></td>"
+            for r in evaluated
+        )
+        + "</tr>"
+        for p in prompts
+    )
+    return f'<h2>Sample answers (train.sample_prompts, greedy)</h2><table class="samples"><tr><th>prompt</th>{head}</tr>{rows}</table>'
+
+
 def build_report(run_dir: Path) -> str:
     """The report's HTML for a run folder written by `scaletrain train`."""
     run_dir = Path(run_dir)
@@ -332,6 +352,7 @@ figure.chart svg {{ width: 100%; height: auto; display: block; }}
 .info {{ border-color: #1f77b4; }} .ok {{ border-color: #2ca02c; }} .note {{ color: #555; }}
 table {{ border-collapse: collapse; }} th, td {{ text-align: left; padding: 3px 10px; border-bottom: 1px solid #eee; }}
 pre {{ background: #f6f6f6; padding: 10px; overflow-x: auto; white-space: pre-wrap; }}
+pre.s {{ margin: 0; padding: 2px 4px; font: inherit; }}
 @media print {{
   body {{ margin: 0; }} .charts {{ grid-template-columns: 1fr 1fr; }}
   figure.chart {{ break-inside: avoid; border: none; }}
@@ -341,6 +362,7 @@ pre {{ background: #f6f6f6; padding: 10px; overflow-x: auto; white-space: pre-wr
 <h2>Diagnosis</h2>{diag}
 <h2>Plots</h2>{no_mfu}<div class="charts">{"".join(charts.html)}</div>
 <h2>Run</h2><table>{fact_rows}</table>
+{_answers(records)}
 {ops}
 <h2>Config</h2><pre>{_e(config)}</pre>
 </body></html>

@@ -46,6 +46,8 @@ class TensorBoardSink:
         for key, tag in RANK_TAGS.items():
             for rank, value in enumerate(record.get(key) or ()):
                 self._writer.add_scalar(f"{tag}/rank{rank}", float(value), step)
+        for i, sample in enumerate(record.get("samples") or ()):  # train.sample_prompts' answers, as text
+            self._writer.add_text(f"samples/prompt{i}", f"{sample['prompt']}\n\n{sample['answer']}", step)
 
     def close(self) -> None:
         self._writer.flush()

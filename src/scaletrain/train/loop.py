@@ -17,6 +17,7 @@ from scaletrain.models.lora import lora_manifest
 from scaletrain.config.load import to_toml
 from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
+from scaletrain.inference.samples import PromptSampler
 from scaletrain.monitor import StepProgress, configure_logging, log
 from scaletrain.monitor.run_record import begin_run
 from scaletrain.monitor.session import MonitorContext, TrainMonitor, open_sinks
@@ -280,6 +281,9 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
+    sampler = PromptSampler(
+        cfg, trainer.spec, trainer.model.module, rt.rank, rt.device, pipelined=trainer.model.pipeline is not None
+    )
     try:
         with PreemptionWatch() as preemption, watchdog:
             for step in range(start_step + 1, cfg.train.steps + 1):
@@ -299,7 +303,8 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                     watchdog.beat(step, "evaluation")
                     val_metrics = trainer.evaluate()
                     val_loss = val_metrics["val_loss"]
-                    outputs.write({"step": step, **val_metrics})
+                    samples = sampler.answer()  # train.sample_prompts: a collective, answered on rank 0
+                    outputs.write({"step": step, **val_metrics, **({"samples": samples} if samples else {})})
                     outputs.progress.message(f"step {step}: validation loss {val_loss:.4f}")
                 watchdog.beat(step, "end-of-step agreement")
                 stop, minutes_due = agreement.exchange(preemption.requested, ckpt.minutes_due())

@@ -185,6 +185,13 @@ class HFSpec(ModelSpec):
         take_packed_rows(model)
         return model
 
+    def build_for_inference(self, config: Any) -> nn.Module:
+        """transformers' model class of this folder from `config`, on the CPU, returning its own outputs (no
+        logits-only hook): what `generate` runs."""
+        import torch
+
+        return self._model_class()._from_config(config, dtype=torch.float32)
+
     def param_init_std(self, name: str) -> float | None:
         """Matrices (linears, embeddings, packed experts): transformers' initializer_range; biases: zeros; other
         vectors (norm weights): the constant transformers' own _init_weights gives them (ones, or zeros for

@@ -262,6 +262,18 @@ class HFFolderAdapter(HFAdapter):
             out[tied] = out[emb_name]
         return out
 
+    def causal_lm(self, state: dict[str, torch.Tensor]) -> Any:
+        """transformers' own model of the folder's config with the KV cache on and `state` (already its names and
+        packed layout) loaded; the tied output layer follows the embedding."""
+        import copy
+
+        config = copy.deepcopy(self.spec.config)
+        config.use_cache = True
+        model = self.spec.build_for_inference(config)
+        model.load_state_dict(self.from_hf(state), strict=True)
+        self.spec.tie(model)
+        return model.eval()
+
     def write_config(self, out: Path) -> list[Path]:
         """config.json as the folder's own (not the training copy, which turns use_cache off), and
         generation_config.json where save_pretrained writes one (models that generate)."""
