@@ -21,9 +21,9 @@ PEFT_PREFIX = "base_model.model."  # peft's key prefix in adapter_model.safetens
 
 def read_adapters(ckpt: Path) -> dict[str, torch.Tensor]:
     """{plain name: tensor} of every adapter weight a LoRA checkpoint holds (the whole of its model state)."""
-    from scaletrain.checkpoint.export import _read_entries, _saved_entries
+    from scaletrain.checkpoint.entries import read_entries, saved_entries
 
-    return _read_entries(ckpt, _saved_entries(ckpt))
+    return read_entries(ckpt, saved_entries(ckpt))
 
 
 def _split(name: str) -> tuple[str, str]:

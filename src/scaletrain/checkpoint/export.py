@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from scaletrain.checkpoint.entries import natural_order, read_entries, saved_entries
 from scaletrain.checkpoint.manifest import read_manifest
 from scaletrain.models.registry import spec_from_manifest
 from scaletrain.models.spec import ModelSpec
@@ -51,41 +52,10 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _natural(name: str) -> list:
-    """Sort key putting layer 2 before layer 10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
-
-
-def _saved_entries(ckpt: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """{name: (full shape, dtype)} of every model tensor DCP's metadata lists (saved as `model.<name>`), in
-    natural name order; nothing is read but the metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from scaletrain.checkpoint.safe_load import METADATA_FILE, read_dcp_metadata
-
-    with open(ckpt / METADATA_FILE, "rb") as f:
-        meta = read_dcp_metadata(f, f"{ckpt.name}/{METADATA_FILE}")
-    found = {
-        key.removeprefix("model."): (m.size, m.properties.dtype)
-        for key, m in meta.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
-    }
-    return {name: found[name] for name in sorted(found, key=_natural)}
-
-
 def _saved_model_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """Empty full-size tensors for every model entry DCP's metadata lists, keyed as saved (`model.<name>`): how a
     checkpoint of a model scaletrain cannot rebuild (a `scaletrain.setup()` user's own) is consolidated."""
-    return {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in _saved_entries(ckpt).items()}
-
-
-def _read_entries(ckpt: Path, entries: dict[str, tuple[torch.Size, torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Only these model tensors of the checkpoint, whole (DCP reads each from its shards; the others stay on disk)."""
-    from scaletrain.checkpoint.safe_load import load_dcp
-
-    state = {"model": {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in entries.items()}}
-    load_dcp(state, ckpt, no_dist=True)
-    return state["model"]
+    return {name: torch.empty(size, dtype=dtype) for name, (size, dtype) in saved_entries(ckpt).items()}
 
 
 def _write_streamed(
@@ -115,7 +85,7 @@ def _write_streamed(
     written = []
     for filename, keys in split.filename_to_tensors.items():
         needed = {source[k] for k in keys}
-        converted = convert(_read_entries(ckpt, {n: entries[n] for n in sorted(needed, key=_natural)}))
+        converted = convert(read_entries(ckpt, {n: entries[n] for n in sorted(needed, key=natural_order)}))
         save_file({k: converted[k].contiguous() for k in keys}, str(out / filename), metadata={"format": "pt"})
         written.append(out / filename)
         del converted
@@ -193,7 +163,7 @@ def export_checkpoint(
         path = out / "model.pt"
         torch.save(state, path)
         return [path]
-    entries = _saved_entries(ckpt)
+    entries = saved_entries(ckpt)
     if not entries:
         raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +190,7 @@ def _export_lora(ckpt: Path, out: Path, fmt: str, spec: ModelSpec, lora: dict, m
     if fmt == "torch":
         torch.save(read_adapters(ckpt), out / "adapters.pt")
         return [out / "adapters.pt"]
-    return _write_streamed(ckpt, out, _saved_entries(ckpt), lambda state: state, max_shard_bytes)
+    return _write_streamed(ckpt, out, saved_entries(ckpt), lambda state: state, max_shard_bytes)
 
 
 def read_hf_weights(folder: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
