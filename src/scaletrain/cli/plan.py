@@ -34,6 +34,17 @@ def _hf_shape(path: str):
 @click.option(
     "--hf", "hf_path", default=None, help="Plan a local Hugging Face model folder's architecture (its config.json)."
 )
+@click.option(
+    "--factory",
+    default=None,
+    help="Plan your own model from its trace: package.module:function returning (model, example_input).",
+)
+@click.option(
+    "--trace",
+    "use_trace",
+    is_flag=True,
+    help="Plan from a trace of the model (one micro-batch on fake tensors) instead of the decoder formulas.",
+)
 @click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
 @click.option("--layers", "n_layers", type=int, default=None)
 @click.option("--heads", "n_heads", type=int, default=None)
@@ -90,6 +101,8 @@ def plan(
     model,
     params_text,
     hf_path,
+    factory,
+    use_trace,
     dim,
     n_layers,
     n_heads,
@@ -166,11 +179,13 @@ def plan(
 
     config = _job_config(config_args) if config_args else None
     shape = None
+    config_model = False  # the job config's model is planned
     if config is not None:
         cfg = config
         from_flags = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
         if params is None and not from_flags:
             shape, model = _config_shape(cfg), cfg.model.name
+            config_model = True
         seq_len = seq_len if seq_len is not None else cfg.data.seq_len
         if global_batch is None and "global_batch_size" in cfg.train.model_fields_set:
             global_batch = cfg.train.global_batch_size
@@ -180,6 +195,12 @@ def plan(
         cluster = cluster_for(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     except ValueError as e:
         fail(str(e))
+    if factory is not None or use_trace or (config_model and shape is None):
+        # a model the decoder formulas do not describe (or asked for): planned from its trace
+        _plan_from_trace(
+            factory, hf_path, config if config_model else None, model, seq_len, global_batch, cluster, opts, as_json
+        )
+        return
     if hf_path is not None:
         shape, model = _hf_shape(hf_path)
     try:
@@ -249,17 +270,50 @@ def _job_config(config_args):
 
 
 def _config_shape(cfg):
-    """The planner's shape of the job config's model; one line when the planner cannot model it."""
+    """The planner's decoder shape of the job config's model; None where the formulas do not describe it (the
+    planner then traces it)."""
     from scaletrain.models.registry import model_spec
 
     try:
         spec = model_spec(cfg.model)
     except ValueError as e:
         fail(str(e))
-    shape = spec.shape()
-    if shape is None:
-        fail(f"model.name: the planner cannot model the {spec.family} family (no decoder shape)")
-    return shape
+    return spec.shape()
+
+
+def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluster, opts, as_json) -> None:
+    """Trace the model (a factory's, an HF folder's, the job config's or a preset) once per compute dtype searched,
+    plan its data-parallel layouts from the traces (plan/traced.py) and print them; one line on a user error."""
+    from scaletrain.models.registry import model_spec, preset_spec, spec_selected_by
+    from scaletrain.plan.render import print_traced_plan
+    from scaletrain.plan.trace import factory_target, spec_target, trace_model
+    from scaletrain.plan.traced import TRACED_AC_MODES, plan_traced
+
+    ac_modes = tuple(a for a in opts.ac_modes if a in TRACED_AC_MODES)
+    if not ac_modes:
+        fail("--ac: a traced plan searches none and full checkpointing; add one of them")
+    try:
+        if factory is not None:
+            target = factory_target(factory)
+        else:
+            if hf_path is not None:
+                spec = spec_selected_by("hf", hf_path)
+            elif cfg is not None:
+                spec = model_spec(cfg.model)
+            else:
+                spec = preset_spec(model)
+            seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
+            target = spec_target(spec, seq)
+        world = cluster.gpus
+        batch = global_batch if global_batch is not None else world * -(-max(256, world) // world)
+        traces = {p: trace_model(target, p) for p in opts.precisions}
+        plan = plan_traced(traces, cluster, batch, ac_modes, opts.top)
+    except ValueError as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(plan.to_dict(), indent=2))
+        return
+    print_traced_plan(plan)
 
 
 def _config_world(cfg):
