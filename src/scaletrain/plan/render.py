@@ -31,6 +31,10 @@ def _size(x: float) -> str:
     return f"{x / 1e9:.1f} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
 def _duration(seconds: float) -> str:
     if seconds != seconds or seconds == float("inf"):
         return "-"
@@ -219,7 +223,7 @@ def print_traced_plan(plan: TracedPlan) -> None:
     )
     con.print(
         "[bold]step of #1[/]: "
-        + " · ".join(f"{k} {v * 1e3:.3g} ms" for k, v in top.time.items() if v > 0)
+        + " · ".join(f"{k} {_seconds(v)}" for k, v in top.time.items() if v > 0)
         + f"; dominated by {tim} ({tim_share:.0%})",
         soft_wrap=True,
     )

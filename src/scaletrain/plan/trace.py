@@ -318,6 +318,8 @@ def _op_kind(func, name: str) -> str:
     if func.is_view or name in ("aten.detach", "aten.alias", "aten.lift_fresh"):
         return "view"
     short = name.split(".", 1)[1]
+    if not name.startswith("aten."):
+        return "memory"
     if short in MATMUL_OPS:
         return "matmul"
     if "attention" in short:
@@ -415,8 +417,10 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            name = f"aten.{func._overloadpacket.__name__}"
-            kind = _op_kind(func, name)
+            name = f"{func.namespace}.{func._overloadpacket.__name__}"
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            # metadata queries (prim.device, aten.sym_size, ...) return no tensor: they move nothing
+            kind = _op_kind(func, name) if outs else "view"
             flops = _cpu_flash_flops(name, args)
             if flops is None and func._overloadpacket in flop_registry:
                 flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
