@@ -197,3 +197,21 @@ def test_plan_trace_flag_on_a_preset(tmp_path):
     plan = json.loads(out)
     assert plan["params"] == preset_spec("tiny").num_params() and plan["global_batch"] == 256
     assert {r["layout"]["ac"] for r in plan["rows"]} <= {"none", "full"}
+
+
+def test_plan_hf_mixture_of_experts_from_its_trace(tmp_path):
+    """An HF mixture of experts: the formula counts every expert (an upper bound); the trace counts what routing
+    computes: top-2 of 4 experts, so the experts' FLOPs are half the bound's."""
+    from test_hf_models import FAMILIES, save_hf_folder
+
+    from scaletrain.models.registry import spec_selected_by
+
+    folder = save_hf_folder(tmp_path / "moe", FAMILIES["qwen3_moe"], weights=False)
+    spec = spec_selected_by("hf", str(folder))
+    # bf16: torch's fake (meta) kernel of grouped_mm, which transformers' experts call, accepts only bf16
+    trace = trace_model(spec_target(spec, 32), "bf16")
+    assert trace.params == spec.num_params() and trace.n_blocks == 2
+    assert trace.model_flops() < 0.6 * spec.flops_per_token(32) * 32
+    args = ["plan", "--hf", str(folder), "--trace", "--gpus", "2", "--gpu", "cpu", "--global-batch", "8"]
+    plan = json.loads(run_cli_in_process([*args, "--precision", "bf16", "--json"], tmp_path).stdout)
+    assert plan["params"] == spec.num_params() and plan["rows"][0]["fits"]

@@ -472,6 +472,9 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
                     saved[ROOT] = saved.get(ROOT, 0) + out.untyped_storage().nbytes()
             phase[0] = "backward"
             loss.backward()
+    except (RuntimeError, NotImplementedError) as e:  # a kernel without a fake (meta) version for this dtype
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"--precision: tracing {target.name} in {dtype} failed ({first}); try another dtype") from e
     finally:
         for h in hooks:
             h.remove()
