@@ -51,6 +51,14 @@ def _hf_shape(path: str):
 @click.option("--kv-heads", "n_kv_heads", type=int, default=None)
 @click.option("--ffn-dim", type=int, default=None)
 @click.option("--vocab", "vocab_size", type=int, default=None)
+@click.option(
+    "--block",
+    type=click.Choice(["llama", "gpt"]),
+    default=None,
+    help="Block the shape flags describe: llama (SwiGLU: 3 matrices of dim x ffn-dim; a GPT's 4h MLP is "
+    "--ffn-dim 8h/3 at equal parameters) or gpt (Megatron-LM's GPT block: LayerNorm, 2 matrices of dim x ffn-dim, "
+    "GELU, biases, as Megatron runs it).",
+)
 @click.option("--gpus", type=int, default=None, help="Number of GPUs (required without --cluster).")
 @click.option("--gpu", default="h100-sxm", show_default=True, help="GPU type from the catalog.")
 @click.option("--interconnect", default=None, help="INTRA[,INTER] links, e.g. nvlink4,ib-ndr (default: the GPU's).")
@@ -109,6 +117,7 @@ def plan(
     n_kv_heads,
     ffn_dim,
     vocab_size,
+    block,
     gpus,
     gpu,
     interconnect,
@@ -208,6 +217,8 @@ def plan(
             model, params, shape_flags, seq_len, global_batch, cluster.gpus, shape, hf=hf_path is not None
         )
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
+        if block is not None and block != work.args.block:
+            work = dataclasses.replace(work, args=_with_block(work.args, block), model_name=work.model_name + "*")
     except ValueError as e:
         fail(str(e))
     pins = None
@@ -254,6 +265,15 @@ def plan(
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
     print_plan(report)
+
+
+def _with_block(args, block: str):
+    """The shape with another block type (--block); ValueError in one line where that block cannot have it."""
+    if block == "gpt" and args.n_kv_heads != args.n_heads:
+        raise ValueError(
+            f"--block gpt: the GPT block's attention is multi-head; set --kv-heads {args.n_heads} (= --heads)"
+        )
+    return dataclasses.replace(args, block=block)
 
 
 def _job_config(config_args):
