@@ -45,8 +45,9 @@ class OpCount:
     op: str  # e.g. "aten.mm"
     kind: str  # matmul | attention | memory | view
     calls: int
-    flops: float
+    flops: float  # as executed: a causal flash kernel skips the masked half of the scores
     bytes: float
+    model_flops: float  # as the PaLM convention counts them (attention over the whole square, no recompute)
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,9 @@ class ModelTrace:
 
     def model_flops(self) -> float:
         """FLOPs of one micro-batch as the PaLM convention counts them (6N + 12·L·h·s per token, the MFU numerator):
-        the executed FLOPs less the attention scores a flash kernel's backward recomputes (the first of the five
-        products torch's flop counter charges its backward)."""
-        return self.flops() - ATTENTION_BWD_RECOMPUTE * self.flops("backward", "attention")
+        attention over the whole square, without the scores a flash kernel's backward recomputes. flops() is what
+        the kernels execute: a causal kernel skips the masked half, its backward recomputes the scores."""
+        return sum(o.model_flops * self._repeat(o.layer) for o in self.ops)
 
     def bytes_moved(self, phase: str | None = None, kind: str | None = None, blocks_only: bool = False) -> float:
         return sum(
@@ -327,17 +328,22 @@ def _op_kind(func, name: str) -> str:
     return "memory"
 
 
-def _cpu_flash_flops(func_name: str, args) -> float | None:
-    """FLOPs of torch's CPU flash-attention kernels, which torch.utils.flop_counter's table lacks: the same
-    formulas as its CUDA kernels' (the whole square, GQA heads broadcast)."""
+def _cpu_flash_flops(func_name: str, args, kwargs) -> tuple[float, float] | None:
+    """(executed, model) FLOPs of torch's CPU flash-attention kernels, which torch.utils.flop_counter's table
+    lacks: its formulas for the CUDA kernels (the whole square, GQA heads broadcast), halved where the kernel is
+    causal (it skips the masked blocks); the model count leaves out the backward's recomputed scores."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     if func_name == "aten._scaled_dot_product_flash_attention_for_cpu":
         q, k, v = args[:3]
-        return float(sdpa_flop_count(q.shape, k.shape, v.shape))
+        causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        full = float(sdpa_flop_count(q.shape, k.shape, v.shape))
+        return full * (0.5 if causal else 1.0), full
     if func_name == "aten._scaled_dot_product_flash_attention_for_cpu_backward":
         grad, q, k, v = args[:4]
-        return float(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+        causal = args[7] if len(args) > 7 else kwargs.get("is_causal", False)
+        full = float(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+        return full * (0.5 if causal else 1.0), full * (1.0 - ATTENTION_BWD_RECOMPUTE)
     return None
 
 
@@ -421,18 +427,21 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             # metadata queries (prim.device, aten.sym_size, ...) return no tensor: they move nothing
             kind = _op_kind(func, name) if outs else "view"
-            flops = _cpu_flash_flops(name, args)
-            if flops is None and func._overloadpacket in flop_registry:
-                flops = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+            counted = _cpu_flash_flops(name, args, kwargs)
+            if counted is None and func._overloadpacket in flop_registry:
+                both = float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+                counted = (both, both)
+            flops, model_flops = counted or (0.0, 0.0)
             moved = 0
             if kind != "view":
                 tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
                 moved = sum(t.numel() * t.element_size() for t in tensors)
             key = (current_layer(), phase[0], name)
-            acc = counts.setdefault(key, [kind, 0, 0.0, 0.0])
+            acc = counts.setdefault(key, [kind, 0, 0.0, 0.0, 0.0])
             acc[1] += 1
-            acc[2] += flops or 0.0
+            acc[2] += flops
             acc[3] += moved
+            acc[4] += model_flops
             return out
 
     def pack(t):
@@ -507,8 +516,8 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
             )
         )
     ops = tuple(
-        OpCount(layer, ph, op, kind, calls, flops, moved)
-        for (layer, ph, op), (kind, calls, flops, moved) in sorted(counts.items())
+        OpCount(layer, ph, op, kind, calls, flops, moved, model_flops)
+        for (layer, ph, op), (kind, calls, flops, moved, model_flops) in sorted(counts.items())
     )
     notes: tuple[str, ...] = ()
     if n_blocks == 0:
