@@ -148,6 +148,7 @@ def test_plan_factory_names_what_dominates(vit_factory, tmp_path):
     assert best["fits"] and best["dominant_memory"]["line"] in best["memory_bytes"]
     assert best["time_s"]["step"] == pytest.approx(sum(v for k, v in best["time_s"].items() if k != "step"))
     assert {r["layout"]["dp_replicate"] * r["layout"]["dp_shard"] for r in plan["rows"]} == {2}
+    assert len(plan["advice"]) == 1 and "the change that helps most" in text
 
 
 def test_plan_factory_errors_are_one_line(vit_factory, tmp_path):

@@ -233,6 +233,8 @@ def print_traced_plan(plan: TracedPlan) -> None:
     con.print("[bold]heaviest operators of one micro-batch[/] (FLOPs share, bytes share):")
     for where, op, flops, nbytes in trace.top_ops():
         con.print(f"  - {op} in {where}: {flops / total:.0%} of FLOPs, {nbytes / moved:.0%} of bytes moved")
+    for line in plan.advice:
+        con.print(f"[bold]the change that helps most[/]: {line}")
     if not top.fits:
         con.print(f"[bold]nothing fits[/] in {c.memory_bytes / 1e9:.0f} GB per rank; the leanest needs above")
     con.print(f"[bold]run #1 with[/]: {top.layout.as_overrides()}")

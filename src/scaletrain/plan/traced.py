@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from scaletrain.config.layout import Layout
 from scaletrain.hardware.cluster import Cluster
@@ -80,6 +81,7 @@ class TracedPlan:
     rows: list[TracedRow]  # ranked: fitting layouts by step time, then the rest by memory
     searched: int
     seconds: float
+    advice: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         trace = next(iter(self.traces.values()))
@@ -94,6 +96,7 @@ class TracedPlan:
             "trace_seconds": sum(t.seconds for t in self.traces.values()),
             "top_ops": [{"where": w, "op": op, "flops": f, "bytes": b} for w, op, f, b in trace.top_ops()],
             "rows": [r.to_dict() for r in self.rows],
+            "advice": self.advice,
         }
 
 
@@ -240,4 +243,44 @@ def plan_traced(
         mem = traced_memory(trace, lay, cluster)
         rows.append(TracedRow(lay, mem, traced_time(trace, lay, cluster), sum(mem.values()) <= cluster.memory_bytes))
     rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else r.memory_total))
-    return TracedPlan(traces, cluster, global_batch, rows[:top], len(layouts), time.perf_counter() - started)
+    plan = TracedPlan(traces, cluster, global_batch, rows[:top], len(layouts), time.perf_counter() - started)
+    plan.advice = one_change_advice(rows, cluster)
+    return plan
+
+
+def _changed(a: Layout, b: Layout) -> list[str]:
+    return [f.name for f in dataclasses.fields(Layout) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def one_change_advice(rows: list[TracedRow], cluster: Cluster) -> list[str]:
+    """Which change of one choice helps the first row most: where it fits, the change that would make its step
+    shortest, and the memory that change needs (it is first because that does not fit); where nothing fits, the
+    change that takes the most memory off."""
+    if not rows:
+        return []
+    top = rows[0]
+    # one choice: the data-parallel mode, checkpointing, precision, or the micro-batch (with its accumulation)
+    near = [r for r in rows[1:] if len(set(_changed(top.layout, r.layout)) - {"accumulation"}) == 1]
+    if not near:
+        return []
+    cap = cluster.memory_bytes
+
+    def what(r: TracedRow) -> str:
+        fields_ = [f for f in _changed(top.layout, r.layout) if f != "accumulation"]
+        return ", ".join(f"{f} {getattr(top.layout, f)} -> {getattr(r.layout, f)}" for f in fields_)
+
+    if top.fits:
+        faster = min(near, key=lambda r: r.step_s)
+        if faster.step_s >= top.step_s:
+            return [
+                f"no single change is faster; the next best is {what(faster)} ({faster.step_s / top.step_s - 1:+.0%})"
+            ]
+        return [
+            f"{what(faster)} would be {1 - faster.step_s / top.step_s:.0%} faster but needs "
+            f"{faster.memory_total / 1e9:.1f} GB per rank ({cap / 1e9:.0f} GB here)"
+        ]
+    leaner = min(near, key=lambda r: r.memory_total)
+    return [
+        f"{what(leaner)} takes {1 - leaner.memory_total / top.memory_total:.0%} of memory off "
+        f"({leaner.memory_total / 1e9:.1f} GB per rank, {cap / 1e9:.0f} GB here)"
+    ]
