@@ -189,6 +189,10 @@ def test_plan_config_of_a_family_without_decoder_shape_is_traced(tmp_path, monke
     width, vocab, depth = 32, 256, 3
     assert plan["params"] == depth * (width * width + width) + 2 * vocab * width
     assert plan["blocks"] == depth and plan["rows"][0]["fits"]
+    proc = run_cli_in_process(
+        ["plan", "job.toml", "parallel.tp=2", "--gpus", "2", "--gpu", "cpu"], tmp_path, check=False
+    )
+    assert proc.returncode == 2 and "parallel.tp: a plan from a trace covers data-parallel layouts only" in proc.stderr
 
 
 def test_plan_trace_flag_on_a_preset(tmp_path):

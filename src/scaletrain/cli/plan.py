@@ -309,6 +309,10 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
     from scaletrain.plan.trace import factory_target, spec_target, trace_model
     from scaletrain.plan.traced import TRACED_AC_MODES, plan_traced
 
+    if cfg is not None:
+        for key in ("tp", "pp", "cp"):
+            if getattr(cfg.parallel, key) > 1:
+                fail(f"parallel.{key}: a plan from a trace covers data-parallel layouts only; set parallel.{key}=1")
     ac_modes = tuple(a for a in opts.ac_modes if a in TRACED_AC_MODES)
     if not ac_modes:
         fail("--ac: a traced plan searches none and full checkpointing; add one of them")

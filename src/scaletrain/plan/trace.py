@@ -536,10 +536,14 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
     )
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e6:,.2f}M" if n >= 1e5 else f"{n:,}"
+
+
 def describe(trace: ModelTrace) -> str:
     """One line: the model's size, a micro-batch's FLOPs and what it keeps for backward."""
     return (
-        f"{trace.name}: {trace.params / 1e6:,.2f}M params in {trace.n_blocks} blocks; one micro-batch of "
+        f"{trace.name}: {_count(trace.params)} params in {trace.n_blocks} blocks; one micro-batch of "
         f"{trace.samples}: {trace.flops() / 1e9:,.3g} GFLOP, {trace.saved_bytes() / 1e9:,.3g} GB kept for backward "
         f"(traced in {trace.seconds:.1f} s)"
     )

@@ -236,6 +236,8 @@ def plan_traced(
     for ac in ac_modes:
         if ac not in TRACED_AC_MODES:
             raise ValueError(f"--ac: {ac!r} is not planned from a trace; use none or full")
+    if all(t.n_blocks == 0 for t in traces.values()):  # no blocks to checkpoint: full would keep the same
+        ac_modes = ("none",)
     layouts = candidate_layouts(cluster.gpus, global_batch, tuple(traces), ac_modes)
     rows = []
     for lay in layouts:
