@@ -278,3 +278,19 @@ def test_narayanan_llama_block_gap_is_the_swiglu_width(tmp_path):
     wrong = ["plan", *shape[:6], "--kv-heads", "8", "--block", "gpt", *cluster]
     proc = run_cli_in_process(wrong, tmp_path, check=False)
     assert proc.returncode == 2 and "--block gpt" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_one_rank_never_holds_gradients_and_activations_at_once(vit_factory):
+    """The peak-phase rule of plan/memory.py on a traced model: one rank, one micro-batch."""
+    from scaletrain.config.layout import Layout
+    from scaletrain.plan.inputs import cluster_for
+    from scaletrain.plan.traced import traced_memory
+
+    trace = trace_model(factory_target(vit_factory), "fp32")
+    cpu = cluster_for("cpu", 1, None, None, None, None, None, None)
+    alone = traced_memory(trace, Layout(1, 1, 1, 1, 1, 8, 1, "none", "fp32"), cpu)
+    accumulating = traced_memory(trace, Layout(1, 1, 1, 1, 1, 8, 2, "none", "fp32"), cpu)
+    n = trace.params
+    assert accumulating["gradients"] == 4.0 * n
+    dynamic = alone["activations"] + alone["gathered/cast weights"]
+    assert alone["gradients"] == max(0.0, 8.0 * n - dynamic)

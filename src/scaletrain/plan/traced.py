@@ -30,6 +30,7 @@ from scaletrain.plan.memory import (
     FRAGMENTATION_SHARE,
     MEMORY_LINES,
     NCCL_BYTES_PER_GROUP,
+    OPTIMIZER_TEMP_BYTES,
 )
 from scaletrain.plan.steptime import ADAMW_BYTES_PER_PARAM, ADAMW_INPLACE_WRITE_BYTES, TIME_LINES, matmul_rate
 from scaletrain.plan.trace import ROOT, ModelTrace
@@ -141,6 +142,12 @@ def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[s
     lines["comm buffers"] = (4.0 * n if ddp else 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0)
     lines["CUDA context"] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
     dynamic = lines["activations"] + lines["recompute working set"] + lines["gathered/cast weights"]
+    if layout.world_size == 1 and layout.accumulation == 1:
+        # one rank, one micro-batch: zero_grad(set_to_none) freed the gradients, so they and the activations are
+        # never held at once; the optimizer step holds every gradient and foreach AdamW's sqrt(v) list (memory.py,
+        # the same rule). The gradients line is what they add to the larger of the two peaks.
+        step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * local
+        lines["gradients"] = max(0.0, step_peak - dynamic)
     lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
     return lines
 
