@@ -8,8 +8,9 @@ shapes) only the first two are kept and traced, and the second stands for every 
 may also carry what every block shares, e.g. tensors built once and passed to each block).
 
 What is counted (docs/planner.md, "A model's trace"):
-- FLOPs: torch.utils.flop_counter's formulas (matmuls, convolutions, attention over the whole square: the PaLM
-  convention of 6N + 12·L·h·s), plus torch's CPU flash-attention kernel, which that table lacks.
+- FLOPs: torch.utils.flop_counter's formulas (matmuls, convolutions, attention), plus torch's CPU flash-attention
+  kernel, which that table lacks; twice: as executed (a causal kernel skips the masked half, its backward recomputes
+  the scores) and as the PaLM convention counts them (6N + 12·L·h·s, the MFU numerator).
 - bytes moved: every non-view operator's tensor inputs and outputs (the convention of bench's step_profile).
 - saved for backward: the distinct storages autograd's saved_tensors_hooks see, parameters and buffers excluded,
   each counted once at the first layer that saves it; under full checkpointing a block keeps only its inputs.
