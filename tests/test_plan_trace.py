@@ -294,3 +294,67 @@ def test_one_rank_never_holds_gradients_and_activations_at_once(vit_factory):
     assert accumulating["gradients"] == 4.0 * n
     dynamic = alone["activations"] + alone["gathered/cast weights"]
     assert alone["gradients"] == max(0.0, 8.0 * n - dynamic)
+
+
+PIX_FAMILY = """
+from dataclasses import dataclass
+
+from scaletrain.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class PixArgs:
+    width: int = 64
+    depth: int = 3
+
+
+class PixSpec(ModelSpec):
+    family = "pix"
+    args_type = PixArgs
+
+    def build(self, device="meta"):
+        import torch
+        from torch import nn
+
+        w = self.args.width
+        with torch.device(device):
+            convs = [nn.Conv2d(w, w, 3, padding=1) for _ in range(self.args.depth)]
+            return nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.Sequential(*convs))
+
+    def param_init_std(self, name):
+        return 0.02
+
+    def blocks(self, model):
+        return model[1]
+
+    def stage(self, model, stage, n_stages, bounds):
+        raise ValueError("no pipeline")
+
+    def has_output(self, model):
+        return True
+
+    def example_inputs(self, samples):
+        import torch
+
+        return (torch.zeros(samples, 3, 16, 16),), {}
+
+
+SPEC = PixSpec
+PRESETS = {"pix-tiny": PixArgs()}
+"""
+
+
+def test_plan_config_of_a_family_without_tokens_uses_its_example_inputs(tmp_path, monkeypatch):
+    """A family that takes no token ids answers example_inputs(samples); the planner traces what it returns."""
+    folder = tmp_path / "families"
+    (folder / "pix").mkdir(parents=True)
+    (folder / "pix" / "__init__.py").write_text(PIX_FAMILY)
+    monkeypatch.setenv("SCALETRAIN_MODEL_PATH", str(folder))
+    (tmp_path / "job.toml").write_text('[model]\nname = "pix-tiny"\ndepth = 4\n')
+    args = ["plan", "job.toml", "--gpus", "2", "--gpu", "cpu", "--global-batch", "16", "--json"]
+    plan = json.loads(run_cli_in_process(args, tmp_path).stdout)
+    assert plan["params"] == (3 * 64 * 9 + 64) + 4 * (64 * 64 * 9 + 64) and plan["blocks"] == 4
+    # every sample: 16 x 16 pixels through 3 x 3 convolutions, forward and both backward products
+    per_sample = 2 * 16 * 16 * 9 * (3 * 64 + 4 * 64 * 64)
+    convolutions = sum(o["flops"] for o in plan["top_ops"] if "convolution" in o["op"])
+    assert convolutions == pytest.approx(3 * per_sample, rel=0.01)  # the image needs no gradient: a bit less
