@@ -68,22 +68,28 @@ HELD_OUT = (
 )
 
 
-def shape(run: Run) -> DecoderShape:
+def shape(run: Run, block: str = "gpt", ffn_dim: int | None = None) -> DecoderShape:
+    """The run's GPT block, or a Llama block (SwiGLU) of `ffn_dim` (default 4h) in its place."""
     return DecoderShape(
         dim=run.hidden,
         n_layers=run.layers,
         n_heads=run.heads,
         n_kv_heads=run.heads,
-        ffn_dim=4 * run.hidden,
+        ffn_dim=ffn_dim or 4 * run.hidden,
         vocab_size=VOCAB,
         max_seq_len=SEQ,
-        block="gpt",
+        block=block,
     )
 
 
-def predict(run: Run, recompute: str) -> float:
+def equal_params_ffn(run: Run) -> int:
+    """The SwiGLU width at which a Llama block has the GPT block's matmul parameters: 3·h·f = 2·h·4h, f = 8h/3."""
+    return round(8 * run.hidden / 3)
+
+
+def predict(run: Run, recompute: str, block: str = "gpt", ffn_dim: int | None = None) -> float:
     """The planner's step seconds for `run` with recompute full or selective, micro-batch 1."""
-    work = Workload(run.name, shape(run), SEQ, run.batch)
+    work = Workload(run.name, shape(run, block, ffn_dim), SEQ, run.batch)
     cluster = make_cluster("a100-80gb", run.gpus, "nvlink3,ib-hdr", 8)
     dp = run.gpus // (run.tp * run.pp)
     schedule = "none" if run.pp == 1 else ("Interleaved1F1B" if run.chunks > 1 else "1F1B")
@@ -116,6 +122,17 @@ def held_out_table() -> list[tuple[str, float, float]]:
     ]
 
 
+def held_out_llama_table(equal_params: bool) -> list[tuple[str, float, float]]:
+    """held_out_table with a Llama block in place of the GPT block: at equal parameters (ffn 8h/3), or with the
+    GPT's 4h as the SwiGLU width (`plan --ffn-dim 4h`: 16h² per block instead of 12h², 1.33x the matmuls)."""
+    out = []
+    for run in HELD_OUT:
+        ffn = equal_params_ffn(run) if equal_params else 4 * run.hidden
+        step = predict(run, "full", "llama", ffn)
+        out.append((run.name, megatron_flops(run) / step / run.gpus / 1e12, float(run.tflops or 0)))
+    return out
+
+
 def mean_abs_error(pairs) -> float:
     return sum(abs(p / m - 1) for p, m in pairs) / len(pairs)
 
@@ -134,6 +151,13 @@ def main() -> None:
     for name, pred, pub in held:
         print(f"{name:<7}{pred:>10.0f}{pub:>10.0f}{pred / pub - 1:>+8.1%}")
     print(f"mean |error| over {len(held)} rows: {mean_abs_error([(p, m) for _, p, m in held]):.1%}")
+    for equal, label in ((True, "Llama block at equal parameters (ffn 8h/3)"), (False, "Llama block, ffn 4h")):
+        rows = held_out_llama_table(equal)
+        print()
+        print(f"held out, {label}: TFLOP/s per GPU by Megatron's formula")
+        for name, pred, pub in rows:
+            print(f"{name:<7}{pred:>10.0f}{pub:>10.0f}{pred / pub - 1:>+8.1%}")
+        print(f"mean |error| over {len(rows)} rows: {mean_abs_error([(p, m) for _, p, m in rows]):.1%}")
 
 
 if __name__ == "__main__":

@@ -34,12 +34,31 @@ def _hf_shape(path: str):
 @click.option(
     "--hf", "hf_path", default=None, help="Plan a local Hugging Face model folder's architecture (its config.json)."
 )
+@click.option(
+    "--factory",
+    default=None,
+    help="Plan your own model from its trace: package.module:function returning (model, example_input).",
+)
+@click.option(
+    "--trace",
+    "use_trace",
+    is_flag=True,
+    help="Plan from a trace of the model (one micro-batch on fake tensors) instead of the decoder formulas.",
+)
 @click.option("--dim", type=int, default=None, help="Override the model's hidden size.")
 @click.option("--layers", "n_layers", type=int, default=None)
 @click.option("--heads", "n_heads", type=int, default=None)
 @click.option("--kv-heads", "n_kv_heads", type=int, default=None)
 @click.option("--ffn-dim", type=int, default=None)
 @click.option("--vocab", "vocab_size", type=int, default=None)
+@click.option(
+    "--block",
+    type=click.Choice(["llama", "gpt"]),
+    default=None,
+    help="Block the shape flags describe: llama (SwiGLU: 3 matrices of dim x ffn-dim; a GPT's 4h MLP is "
+    "--ffn-dim 8h/3 at equal parameters) or gpt (Megatron-LM's GPT block: LayerNorm, 2 matrices of dim x ffn-dim, "
+    "GELU, biases, as Megatron runs it).",
+)
 @click.option("--gpus", type=int, default=None, help="Number of GPUs (required without --cluster).")
 @click.option("--gpu", default="h100-sxm", show_default=True, help="GPU type from the catalog.")
 @click.option("--interconnect", default=None, help="INTRA[,INTER] links, e.g. nvlink4,ib-ndr (default: the GPU's).")
@@ -90,12 +109,15 @@ def plan(
     model,
     params_text,
     hf_path,
+    factory,
+    use_trace,
     dim,
     n_layers,
     n_heads,
     n_kv_heads,
     ffn_dim,
     vocab_size,
+    block,
     gpus,
     gpu,
     interconnect,
@@ -166,11 +188,13 @@ def plan(
 
     config = _job_config(config_args) if config_args else None
     shape = None
+    config_model = False  # the job config's model is planned
     if config is not None:
         cfg = config
         from_flags = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
         if params is None and not from_flags:
             shape, model = _config_shape(cfg), cfg.model.name
+            config_model = True
         seq_len = seq_len if seq_len is not None else cfg.data.seq_len
         if global_batch is None and "global_batch_size" in cfg.train.model_fields_set:
             global_batch = cfg.train.global_batch_size
@@ -180,6 +204,12 @@ def plan(
         cluster = cluster_for(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     except ValueError as e:
         fail(str(e))
+    if factory is not None or use_trace or (config_model and shape is None):
+        # a model the decoder formulas do not describe (or asked for): planned from its trace
+        _plan_from_trace(
+            factory, hf_path, config if config_model else None, model, seq_len, global_batch, cluster, opts, as_json
+        )
+        return
     if hf_path is not None:
         shape, model = _hf_shape(hf_path)
     try:
@@ -187,6 +217,8 @@ def plan(
             model, params, shape_flags, seq_len, global_batch, cluster.gpus, shape, hf=hf_path is not None
         )
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
+        if block is not None and block != work.args.block:
+            work = dataclasses.replace(work, args=_with_block(work.args, block), model_name=work.model_name + "*")
     except ValueError as e:
         fail(str(e))
     pins = None
@@ -235,6 +267,15 @@ def plan(
     print_plan(report)
 
 
+def _with_block(args, block: str):
+    """The shape with another block type (--block); ValueError in one line where that block cannot have it."""
+    if block == "gpt" and args.n_kv_heads != args.n_heads:
+        raise ValueError(
+            f"--block gpt: the GPT block's attention is multi-head; set --kv-heads {args.n_heads} (= --heads)"
+        )
+    return dataclasses.replace(args, block=block)
+
+
 def _job_config(config_args):
     """The JobConfig of `[CONFIG.toml] [key=value ...]` (its model_fields_set: the keys the user set); one line on a
     bad config."""
@@ -249,17 +290,54 @@ def _job_config(config_args):
 
 
 def _config_shape(cfg):
-    """The planner's shape of the job config's model; one line when the planner cannot model it."""
+    """The planner's decoder shape of the job config's model; None where the formulas do not describe it (the
+    planner then traces it)."""
     from scaletrain.models.registry import model_spec
 
     try:
         spec = model_spec(cfg.model)
     except ValueError as e:
         fail(str(e))
-    shape = spec.shape()
-    if shape is None:
-        fail(f"model.name: the planner cannot model the {spec.family} family (no decoder shape)")
-    return shape
+    return spec.shape()
+
+
+def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluster, opts, as_json) -> None:
+    """Trace the model (a factory's, an HF folder's, the job config's or a preset) once per compute dtype searched,
+    plan its data-parallel layouts from the traces (plan/traced.py) and print them; one line on a user error."""
+    from scaletrain.models.registry import model_spec, preset_spec, spec_selected_by
+    from scaletrain.plan.render import print_traced_plan
+    from scaletrain.plan.trace import factory_target, spec_target, trace_model
+    from scaletrain.plan.traced import TRACED_AC_MODES, plan_traced
+
+    if cfg is not None:
+        for key in ("tp", "pp", "cp"):
+            if getattr(cfg.parallel, key) > 1:
+                fail(f"parallel.{key}: a plan from a trace covers data-parallel layouts only; set parallel.{key}=1")
+    ac_modes = tuple(a for a in opts.ac_modes if a in TRACED_AC_MODES)
+    if not ac_modes:
+        fail("--ac: a traced plan searches none and full checkpointing; add one of them")
+    try:
+        if factory is not None:
+            target = factory_target(factory)
+        else:
+            if hf_path is not None:
+                spec = spec_selected_by("hf", hf_path)
+            elif cfg is not None:
+                spec = model_spec(cfg.model)
+            else:
+                spec = preset_spec(model)
+            seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
+            target = spec_target(spec, seq)
+        world = cluster.gpus
+        batch = global_batch if global_batch is not None else world * -(-max(256, world) // world)
+        traces = {p: trace_model(target, p) for p in opts.precisions}
+        plan = plan_traced(traces, cluster, batch, ac_modes, opts.top)
+    except ValueError as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps(plan.to_dict(), indent=2))
+        return
+    print_traced_plan(plan)
 
 
 def _config_world(cfg):

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from scaletrain.plan.advice import Budget
 from scaletrain.plan.layout import Workload
 from scaletrain.plan.report import PlanReport
+
+if TYPE_CHECKING:
+    from scaletrain.plan.traced import TracedPlan
 
 
 def console():
@@ -20,6 +24,15 @@ def console():
 
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}"
+
+
+def _size(x: float) -> str:
+    """Bytes in GB, or MB below 0.1 GB (a small model's lines)."""
+    return f"{x / 1e9:.1f} GB" if x >= 1e8 else f"{x / 1e6:.3g} MB"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
 def _duration(seconds: float) -> str:
@@ -167,3 +180,61 @@ def print_compare(budgets: list[Budget], tokens: float, work: Workload) -> None:
         )
     con.print(table)
     con.print("prices and node overheads are placeholders unless a cluster file or --usd-per-gpu-hour sets them")
+
+
+def print_traced_plan(plan: TracedPlan) -> None:
+    """A plan made from a model's trace (plan/traced.py): the model as traced, the ranked layouts, and for the first
+    what dominates its memory and its step time, line by line, and the operators that weigh most."""
+    from rich.table import Table
+
+    from scaletrain.plan.trace import describe
+
+    con = console()
+    c = plan.cluster
+    for trace in plan.traces.values():
+        con.print(f"[bold]traced[/] ({trace.dtype}): {describe(trace)}", soft_wrap=True)
+    con.print(
+        f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · global batch {plan.global_batch} samples · "
+        f"searched {plan.searched} data-parallel layouts in {plan.seconds:.2f} s"
+    )
+    table = Table(show_lines=False)
+    for col in ("#", "layout", "mem/rank", "step s", "samples/s", "dominant memory", "dominant time", "fits"):
+        table.add_column(col, justify="left" if col in ("layout", "dominant memory", "dominant time") else "right")
+    for i, r in enumerate(plan.rows, 1):
+        mem, mem_share, tim, tim_share = r.dominant()
+        table.add_row(
+            str(i),
+            r.layout.describe(),
+            _size(r.memory_total),
+            f"{r.step_s:.3g}",
+            f"{plan.global_batch / r.step_s:,.1f}",
+            f"{mem} {mem_share:.0%}",
+            f"{tim} {tim_share:.0%}",
+            "yes" if r.fits else "NO",
+        )
+    con.print(table)
+    top = plan.rows[0]
+    mem, mem_share, tim, tim_share = top.dominant()
+    con.print(
+        "[bold]memory of #1 per rank[/]: "
+        + " · ".join(f"{k} {_size(v)}" for k, v in top.memory.items() if v > 0)
+        + f"; dominated by {mem} ({mem_share:.0%})",
+        soft_wrap=True,
+    )
+    con.print(
+        "[bold]step of #1[/]: "
+        + " · ".join(f"{k} {_seconds(v)}" for k, v in top.time.items() if v > 0)
+        + f"; dominated by {tim} ({tim_share:.0%})",
+        soft_wrap=True,
+    )
+    trace = plan.traces[top.layout.precision]
+    total = trace.flops() or 1.0
+    moved = trace.bytes_moved() or 1.0
+    con.print("[bold]heaviest operators of one micro-batch[/] (FLOPs share, bytes share):")
+    for where, op, flops, nbytes in trace.top_ops():
+        con.print(f"  - {op} in {where}: {flops / total:.0%} of FLOPs, {nbytes / moved:.0%} of bytes moved")
+    for line in plan.advice:
+        con.print(f"[bold]the change that helps most[/]: {line}")
+    if not top.fits:
+        con.print(f"[bold]nothing fits[/] in {c.memory_bytes / 1e9:.0f} GB per rank; the leanest needs above")
+    con.print(f"[bold]run #1 with[/]: {top.layout.as_overrides()}")

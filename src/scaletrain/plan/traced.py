@@ -1,0 +1,295 @@
+"""Planning a model the decoder formulas do not describe, from its trace (plan/trace.py): memory per rank and
+seconds per step of the data-parallel layouts the trainer runs for any model (DDP and FSDP2 over every rank, micro-
+batch and accumulation, no or full activation checkpointing, each compute dtype), ranked, with what dominates.
+
+Memory lines are those of plan/memory.py (MEMORY_LINES): fp32 parameters, gradients and AdamW states (FSDP2 shards
+dim 0 of every tensor: torch.chunk, rank 0 largest), FSDP2's gathered blocks (one computing, one prefetched, the
+root kept, a block's gradient while it is reduced) or autocast's low-precision weight copies and DDP's buckets,
+the activations the trace saw autograd keep (full checkpointing: the blocks' inputs, plus one block's activations
+while it is recomputed), the fixed CUDA context and NCCL buffers, fragmentation.
+Time lines are those of plan/steptime.py (TIME_LINES): the traced matmul and attention FLOPs at the cluster's
+matmul rate and attention fraction, the other ops' traced bytes at memory bandwidth, full checkpointing's second
+forward of the blocks, the host's dispatch of every traced op, DP collectives beyond what overlaps compute, the
+optimizer's bytes. Tensor, pipeline and context parallelism need a family's plans: not searched here.
+A trace is linear in the micro-batch: one traced micro-batch is scaled to every size searched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import dataclasses
+from dataclasses import dataclass, field
+
+from scaletrain.config.layout import Layout
+from scaletrain.hardware.cluster import Cluster
+from scaletrain.plan.comm import collective_seconds
+from scaletrain.plan.efficiency import memory_seconds, pointwise_seconds
+from scaletrain.plan.memory import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION_SHARE,
+    MEMORY_LINES,
+    NCCL_BYTES_PER_GROUP,
+    OPTIMIZER_TEMP_BYTES,
+)
+from scaletrain.plan.steptime import ADAMW_BYTES_PER_PARAM, ADAMW_INPLACE_WRITE_BYTES, TIME_LINES, matmul_rate
+from scaletrain.plan.trace import ROOT, ModelTrace
+
+TRACED_AC_MODES = ("none", "full")
+
+
+@dataclass
+class TracedRow:
+    """One layout's predictions: bytes per rank and seconds per step, each by line."""
+
+    layout: Layout
+    memory: dict[str, float]
+    time: dict[str, float]
+    fits: bool
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.time.values())
+
+    def dominant(self) -> tuple[str, float, str, float]:
+        """(memory line, its share of the total, time line, its share of the step) that weigh most."""
+        mem = max(self.memory, key=lambda k: self.memory[k])
+        tim = max(self.time, key=lambda k: self.time[k])
+        return mem, self.memory[mem] / self.memory_total, tim, self.time[tim] / max(self.step_s, 1e-30)
+
+    def to_dict(self) -> dict:
+        mem, mem_share, tim, tim_share = self.dominant()
+        return {
+            "layout": self.layout.to_dict(),
+            "describe": self.layout.describe(),
+            "memory_bytes": {**self.memory, "total": self.memory_total},
+            "time_s": {**self.time, "step": self.step_s},
+            "fits": self.fits,
+            "dominant_memory": {"line": mem, "share": mem_share},
+            "dominant_time": {"line": tim, "share": tim_share},
+        }
+
+
+@dataclass
+class TracedPlan:
+    traces: dict[str, ModelTrace]  # by compute dtype
+    cluster: Cluster
+    global_batch: int  # samples per optimizer step
+    rows: list[TracedRow]  # ranked: fitting layouts by step time, then the rest by memory
+    searched: int
+    seconds: float
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        trace = next(iter(self.traces.values()))
+        return {
+            "model": trace.name,
+            "params": trace.params,
+            "blocks": trace.n_blocks,
+            "global_batch": self.global_batch,
+            "gpus": self.cluster.gpus,
+            "gpu": self.cluster.gpu.name,
+            "searched": self.searched,
+            "trace_seconds": sum(t.seconds for t in self.traces.values()),
+            "top_ops": [{"where": w, "op": op, "flops": f, "bytes": b} for w, op, f, b in trace.top_ops()],
+            "rows": [r.to_dict() for r in self.rows],
+            "advice": self.advice,
+        }
+
+
+def _sharded_numel(shapes, shards: int) -> int:
+    """Elements rank 0 keeps when FSDP2 chunks dim 0 of each tensor over `shards` ranks (torch.chunk)."""
+    return sum(min(s[0], -(-s[0] // shards)) * math.prod(s[1:]) if s else 1 for s in shapes)
+
+
+def _all_shapes(trace: ModelTrace):
+    return [s for lay in trace.layers for _ in range(lay.repeat) for s in lay.param_shapes]
+
+
+def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str, float]:
+    """Bytes per rank, one value per MEMORY_LINES entry, for a DDP / FSDP layout (tp = pp = cp = 1)."""
+    on_gpu = cluster.gpu.name != "cpu"
+    e = float(trace.element_bytes)
+    scale = layout.micro_batch / trace.samples
+    fsdp = layout.mode.sharded
+    n = trace.params
+    local = _sharded_numel(_all_shapes(trace), layout.dp_shard) if fsdp else n
+    tensors = trace.param_tensors
+    lines = dict.fromkeys(MEMORY_LINES, 0.0)
+    lines["parameters"] = 4.0 * local
+    lines["gradients"] = 4.0 * local
+    lines["optimizer states"] = 8.0 * local + 4.0 * tensors
+    if fsdp:
+        root = trace.layer(ROOT).params
+        block = trace.largest_block_params
+        # two blocks gathered (one computing, one prefetched) and the root; a block's whole gradient in the compute
+        # dtype and its fp32 reduce copy while it is reduce-scattered (plan/memory.py, the same rule)
+        lines["gathered/cast weights"] = e * (2 * block + root) + (e + 4) * block if block else e * n + 4 * n
+    elif e < 4:
+        # autocast's cached low-precision copies of the weights it multiplies with (matrices and kernels)
+        lines["gathered/cast weights"] = e * sum(
+            math.prod(s) for lay in trace.layers for _ in range(lay.repeat) for s in lay.param_shapes if len(s) >= 2
+        )
+    lines["activations"] = trace.saved_bytes(layout.ac) * scale
+    if layout.ac == "full":
+        lines["recompute working set"] = trace.largest_block_saved * scale
+    groups = 1.0 if layout.dp > 1 else 0.0
+    ddp = layout.dp_replicate > 1 and not fsdp
+    lines["comm buffers"] = (4.0 * n if ddp else 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0)
+    lines["CUDA context"] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
+    dynamic = lines["activations"] + lines["recompute working set"] + lines["gathered/cast weights"]
+    if layout.world_size == 1 and layout.accumulation == 1:
+        # one rank, one micro-batch: zero_grad(set_to_none) freed the gradients, so they and the activations are
+        # never held at once; the optimizer step holds every gradient and foreach AdamW's sqrt(v) list (memory.py,
+        # the same rule). The gradients line is what they add to the larger of the two peaks.
+        step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * local
+        lines["gradients"] = max(0.0, step_peak - dynamic)
+    lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
+    return lines
+
+
+def _attention_rate(cluster: Cluster, precision: str) -> float:
+    mm = float(matmul_rate(cluster, _precision_code(precision)))
+    return mm * cluster.gpu.attention_efficiency / cluster.gpu.matmul_efficiency
+
+
+def _precision_code(precision: str) -> int:
+    from scaletrain.config.precisions import PRECISION_NAMES
+
+    return PRECISION_NAMES.index(precision)
+
+
+def _compute_seconds(trace: ModelTrace, cluster: Cluster, precision: str, phase: str, blocks_only: bool = False):
+    mm = float(matmul_rate(cluster, _precision_code(precision)))
+    flops_mm = trace.flops(phase, "matmul", blocks_only)
+    flops_attn = trace.flops(phase, "attention", blocks_only)
+    moved = trace.bytes_moved(phase, "memory", blocks_only)
+    calls = max(trace.op_calls(phase, blocks_only), 1)
+    return (
+        flops_mm / mm
+        + flops_attn / _attention_rate(cluster, precision)
+        + float(pointwise_seconds(moved, moved / calls, cluster))
+    )
+
+
+def traced_time(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str, float]:
+    """Seconds per optimizer step, one value per TIME_LINES entry, for a DDP / FSDP layout."""
+    on_gpu = cluster.gpu.name != "cpu"
+    scale = layout.micro_batch / trace.samples
+    m = layout.accumulation
+    fwd = _compute_seconds(trace, cluster, layout.precision, "forward") * scale
+    bwd = _compute_seconds(trace, cluster, layout.precision, "backward") * scale
+    lines = dict.fromkeys(TIME_LINES, 0.0)
+    lines["compute"] = (fwd + bwd) * m
+    if layout.ac == "full":
+        lines["recompute"] = _compute_seconds(trace, cluster, layout.precision, "forward", True) * scale * m
+    calls = trace.op_calls() + (trace.op_calls("forward", True) if layout.ac == "full" else 0)
+    host = calls * cluster.op_overhead_s * m
+    kernels = lines["compute"] + lines["recompute"]
+    lines["op dispatch"] = host if not on_gpu else max(0.0, host - kernels)
+
+    e = float(trace.element_bytes)
+    n = trace.params
+    dp = layout.dp
+    if dp > 1:
+        units = max(trace.n_blocks, 1) + 1
+        if layout.mode.sharded:
+            gathers = 2 * m * float(collective_seconds("all_gather", e * n, dp, 1, cluster))
+            reduces = m * float(collective_seconds("reduce_scatter", 4.0 * n, dp, 1, cluster))
+            latency = units * m * 3 * cluster.intra_link.latency_s
+            comm = gathers + reduces + latency
+        else:
+            comm = float(collective_seconds("all_reduce", 4.0 * n, dp, 1, cluster))
+        overlap = cluster.gpu.comm_overlap * (fwd + bwd) * m
+        lines["dp comm exposed"] = max(comm - overlap, comm * (1.0 - cluster.gpu.comm_overlap))
+    local = _sharded_numel(_all_shapes(trace), layout.dp_shard) if layout.mode.sharded else n
+    per_param = ADAMW_BYTES_PER_PARAM + (ADAMW_INPLACE_WRITE_BYTES if on_gpu else 0.0)
+    lines["optimizer"] = float(memory_seconds(per_param * local, cluster))
+    return lines
+
+
+def candidate_layouts(world: int, global_batch: int, precisions, ac_modes, max_micro_batch: int = 64) -> list[Layout]:
+    """DDP and FSDP over all `world` ranks (one rank: neither), micro-batches of powers of two that divide each
+    rank's share of the global batch, for every precision and checkpointing mode."""
+    if global_batch % world:
+        raise ValueError(f"--global-batch: {global_batch} samples do not split over {world} ranks; use a multiple")
+    share = global_batch // world
+    modes = [(world, 1)] if world == 1 else [(world, 1), (1, world)]
+    out = []
+    for rep, shard in modes:
+        mb = 1
+        while mb <= min(share, max_micro_batch):
+            if share % mb == 0:
+                for prec in precisions:
+                    for ac in ac_modes:
+                        out.append(Layout(rep, shard, 1, 1, 1, mb, share // mb, ac, prec))
+            mb *= 2
+    return out
+
+
+def plan_traced(
+    traces: dict[str, ModelTrace],
+    cluster: Cluster,
+    global_batch: int,
+    ac_modes=TRACED_AC_MODES,
+    top: int = 10,
+) -> TracedPlan:
+    """Every candidate layout priced from the traces (one per compute dtype), fitting ones first by step time."""
+    started = time.perf_counter()
+    for ac in ac_modes:
+        if ac not in TRACED_AC_MODES:
+            raise ValueError(f"--ac: {ac!r} is not planned from a trace; use none or full")
+    if all(t.n_blocks == 0 for t in traces.values()):  # no blocks to checkpoint: full would keep the same
+        ac_modes = ("none",)
+    layouts = candidate_layouts(cluster.gpus, global_batch, tuple(traces), ac_modes)
+    rows = []
+    for lay in layouts:
+        trace = traces[lay.precision]
+        mem = traced_memory(trace, lay, cluster)
+        rows.append(TracedRow(lay, mem, traced_time(trace, lay, cluster), sum(mem.values()) <= cluster.memory_bytes))
+    rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else r.memory_total))
+    plan = TracedPlan(traces, cluster, global_batch, rows[:top], len(layouts), time.perf_counter() - started)
+    plan.advice = one_change_advice(rows, cluster)
+    return plan
+
+
+def _changed(a: Layout, b: Layout) -> list[str]:
+    return [f.name for f in dataclasses.fields(Layout) if getattr(a, f.name) != getattr(b, f.name)]
+
+
+def one_change_advice(rows: list[TracedRow], cluster: Cluster) -> list[str]:
+    """Which change of one choice helps the first row most: where it fits, the change that would make its step
+    shortest, and the memory that change needs (it is first because that does not fit); where nothing fits, the
+    change that takes the most memory off."""
+    if not rows:
+        return []
+    top = rows[0]
+    # one choice: the data-parallel mode, checkpointing, precision, or the micro-batch (with its accumulation)
+    near = [r for r in rows[1:] if len(set(_changed(top.layout, r.layout)) - {"accumulation"}) == 1]
+    if not near:
+        return []
+    cap = cluster.memory_bytes
+
+    def what(r: TracedRow) -> str:
+        fields_ = [f for f in _changed(top.layout, r.layout) if f != "accumulation"]
+        return ", ".join(f"{f} {getattr(top.layout, f)} -> {getattr(r.layout, f)}" for f in fields_)
+
+    if top.fits:
+        faster = min(near, key=lambda r: r.step_s)
+        if faster.step_s >= top.step_s:
+            return [
+                f"no single change is faster; the next best is {what(faster)} ({faster.step_s / top.step_s - 1:+.0%})"
+            ]
+        return [
+            f"{what(faster)} would be {1 - faster.step_s / top.step_s:.0%} faster but needs "
+            f"{faster.memory_total / 1e9:.1f} GB per rank ({cap / 1e9:.0f} GB here)"
+        ]
+    leaner = min(near, key=lambda r: r.memory_total)
+    return [
+        f"{what(leaner)} takes {1 - leaner.memory_total / top.memory_total:.0%} of memory off "
+        f"({leaner.memory_total / 1e9:.1f} GB per rank, {cap / 1e9:.0f} GB here)"
+    ]
