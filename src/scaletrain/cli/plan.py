@@ -54,6 +54,13 @@ def _hf_shape(path: str):
     default=None,
     help="data.packing=document: mean document length in tokens; attention is priced per document, not per row.",
 )
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="lora.rank: a frozen base with LoRA adapters of this rank on the attention and MLP projections; only the "
+    "adapters get gradients and optimizer states (a job config's [lora] otherwise; 0: full fine-tuning).",
+)
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
 @click.option(
     "--fp8",
@@ -105,6 +112,7 @@ def plan(
     seq_len,
     global_batch,
     doc_len,
+    lora_rank,
     precisions,
     ac_modes,
     schedules,
@@ -187,6 +195,7 @@ def plan(
             model, params, shape_flags, seq_len, global_batch, cluster.gpus, shape, hf=hf_path is not None
         )
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
+        work = dataclasses.replace(work, lora=_lora(config, lora_rank))
     except ValueError as e:
         fail(str(e))
     pins = None
@@ -233,6 +242,18 @@ def plan(
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
     print_plan(report)
+
+
+def _lora(cfg, rank):
+    """The planner's LoRA of --lora-rank (the default targets) or else the job config's [lora]; None: full
+    fine-tuning. ValueError naming lora.targets for a target the planner cannot place."""
+    from scaletrain.plan.lora import lora_shape
+
+    if rank is not None:
+        return lora_shape(rank) if rank else None
+    if cfg is None or not cfg.lora.rank:
+        return None
+    return lora_shape(cfg.lora.rank, list(cfg.lora.targets) if cfg.lora.targets else None, cfg.lora.dropout)
 
 
 def _job_config(config_args):
