@@ -21,6 +21,7 @@ MC_DOCS = [
     {"question": "class A", "choices": ["#@!", "(object):"], "answer": 0},
     {"question": "if x ==", "choices": [" None:", " ~~"], "answer": 0},
 ]
+PROMPTS = ["def ", "import ", "class "]
 TEXTS = ["def main():\n    return 0\n", "import sys\nprint(sys.argv)\n", "x = [i for i in range(3)]\n"]
 
 
@@ -57,8 +58,22 @@ def test_lm_eval_on_a_checkpoint_equals_the_transformers_model(tmp_path, monkeyp
              "monitor.sample_interval_s=0", "checkpoint.save_final=true", "checkpoint.async_save=false",
              "run.name=lm", "--nproc-per-node", "1"], tmp_path, timeout=300)  # fmt: skip
     run, tasks = tmp_path / "runs" / "lm", _task_folder(tmp_path / "tasks")
-    args = ["eval", str(run), "--lm-eval", "tiny_code_mc,tiny_code_bpb", "--lm-eval-include", str(tasks), "--json"]
+    # a generate_until task whose answers are what `scaletrain generate` prints (greedy, cut at the first newline)
+    answers = []
+    for prompt in PROMPTS:
+        out = run_cli_in_process(["generate", str(run), "--prompt", prompt, "--max-new-tokens", "8"], tmp_path)
+        answers.append(out.stdout.removesuffix("\n").split("\n", 1)[0])
+    (tasks / "gen.jsonl").write_text("".join(json.dumps({"p": p, "a": a}) + "\n" for p, a in zip(PROMPTS, answers)))
+    (tasks / "gen.yaml").write_text(
+        f"task: tiny_code_gen\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tasks}/gen.jsonl\noutput_type: generate_until\ndoc_to_text: '{{{{p}}}}'\ndoc_to_target: '{{{{a}}}}'\n"
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    names = "tiny_code_mc,tiny_code_bpb,tiny_code_gen"
+    args = ["eval", str(run), "--lm-eval", names, "--lm-eval-include", str(tasks), "--json"]
     results = json.loads(run_cli_in_process(args, tmp_path).stdout)
+    assert results["tiny_code_gen"]["exact_match,none"] == 1.0, answers
 
     from scaletrain.inference.generate import causal_lm
     from scaletrain.inference.source import find_source, load_weights
