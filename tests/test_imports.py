@@ -105,8 +105,9 @@ def test_packages_follow_the_layering():
     assert bad("config", set()) == []
     assert bad("models", {"config"}) == []
     assert bad("parallel", {"config", "models", "scaletrain.exit_codes"}) == []
-    # job resolution sits below the trainer, the planner and the command line, which import it from there
-    assert bad("resolve", {"config", "models", "data", "parallel", "tasks"}) == []
+    # job resolution sits below the trainer, the planner and the command line, which import it from there; it asks
+    # monitor whether each tracker of monitor.trackers can open (monitor/sinks.py check_trackers)
+    assert bad("resolve", {"config", "models", "data", "parallel", "tasks", "monitor"}) == []
     assert sorted({package_of(m) for m, ts in graph.items() for t in ts if package_of(t) == "resolve"}) == [
         "cli",
         "plan",

@@ -73,6 +73,13 @@ def _hf_shape(path: str):
     default=None,
     help="data.packing=document: mean document length in tokens; attention is priced per document, not per row.",
 )
+@click.option(
+    "--lora-rank",
+    type=click.IntRange(min=0),
+    default=None,
+    help="lora.rank: a frozen base with LoRA adapters of this rank on the attention and MLP projections; only the "
+    "adapters get gradients and optimizer states (a job config's [lora] otherwise; 0: full fine-tuning).",
+)
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
 @click.option(
     "--fp8",
@@ -127,6 +134,7 @@ def plan(
     seq_len,
     global_batch,
     doc_len,
+    lora_rank,
     precisions,
     ac_modes,
     schedules,
@@ -219,6 +227,7 @@ def plan(
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
         if block is not None and block != work.args.block:
             work = dataclasses.replace(work, args=_with_block(work.args, block), model_name=work.model_name + "*")
+        work = dataclasses.replace(work, lora=_lora(config, lora_rank))
     except ValueError as e:
         fail(str(e))
     pins = None
@@ -274,6 +283,18 @@ def _with_block(args, block: str):
             f"--block gpt: the GPT block's attention is multi-head; set --kv-heads {args.n_heads} (= --heads)"
         )
     return dataclasses.replace(args, block=block)
+
+
+def _lora(cfg, rank):
+    """The planner's LoRA of --lora-rank (the default targets) or else the job config's [lora]; None: full
+    fine-tuning. ValueError naming lora.targets for a target the planner cannot place."""
+    from scaletrain.plan.lora import lora_shape
+
+    if rank is not None:
+        return lora_shape(rank) if rank else None
+    if cfg is None or not cfg.lora.rank:
+        return None
+    return lora_shape(cfg.lora.rank, list(cfg.lora.targets) if cfg.lora.targets else None, cfg.lora.dropout)
 
 
 def _job_config(config_args):

@@ -349,6 +349,26 @@ class MonitorConfig(Section):
         "straggler spread per rank in every log record (one small all-gather per log step)",
     )
     tensorboard: bool = Field(True, description="also write TensorBoard event files to the run's tensorboard/")
+    trackers: list[Literal["mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers rank 0 also sends the config, every metrics record and the summary to, "
+        "beside metrics.jsonl and TensorBoard: mlflow, wandb (the trackers extra: pip install "
+        "'scaletrain[trackers]'). On the command line: monitor.trackers=mlflow,wandb",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        min_length=1,
+        description="MLflow tracking server (http://HOST:PORT) or store (file:///PATH, sqlite:///PATH); default: "
+        "MLflow's own ($MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the working folder)",
+    )
+    mlflow_experiment: str = Field("scaletrain", min_length=1, description="MLflow experiment the run is logged in")
+    wandb_project: str = Field("scaletrain", min_length=1, description="Weights & Biases project")
+    wandb_entity: str | None = Field(None, min_length=1, description="Weights & Biases team or user; default: yours")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None,
+        description="Weights & Biases mode; offline writes the run under the run folder's wandb/ (`wandb sync` "
+        "uploads it later); default: W&B's own ($WANDB_MODE, else online)",
+    )
     sample_interval_s: float = Field(
         1.0, ge=0.0, description="seconds between device samples (GPU: NVML; CPU: CPU % and RSS); 0: off"
     )
@@ -377,6 +397,16 @@ class MonitorConfig(Section):
     memory_headroom_pct: float = Field(
         50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch"
     )
+
+    @field_validator("trackers", mode="before")
+    @classmethod
+    def _trackers_list(cls, value: Any) -> Any:
+        """`monitor.trackers=mlflow,wandb` on the command line (a bare word is a string) is the list it says."""
+        if isinstance(value, str):
+            value = [name.strip() for name in value.split(",") if name.strip()]
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError(f"monitor.trackers: {value} names a tracker twice; name each once")
+        return value
 
     @model_validator(mode="after")
     def _profile_window(self) -> MonitorConfig:

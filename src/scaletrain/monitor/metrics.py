@@ -21,8 +21,8 @@ class JsonlSink:
     def write(self, record: dict) -> None:
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
 
-    def close(self) -> None:
-        self._file.close()
+    def close(self, summary: dict | None = None, end: str = "finished") -> None:
+        self._file.close()  # the summary goes to summary.json, beside this file
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -18,7 +18,7 @@ from pathlib import Path
 RUN_FILE = Path("monitor") / "run.json"
 # what an earlier run in the same folder left beside metrics.jsonl (rewritten by open_sinks); checkpoints and the
 # rank logs (one section per attempt, appended by the launcher before a rank knows whether it resumes) are not
-PREVIOUS_RUN_OUTPUTS = ("summary.json", "report.html", "monitor", "profile", "tensorboard")
+PREVIOUS_RUN_OUTPUTS = ("summary.json", "report.html", "monitor", "profile", "tensorboard", "wandb")
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import torch
 from scaletrain.config.schema import MonitorConfig
 from scaletrain.monitor.diagnosis import Thresholds, diagnose, flagged
 from scaletrain.monitor.faults import injected_delays
-from scaletrain.monitor.metrics import JsonlSink, read_jsonl
+from scaletrain.monitor.metrics import read_jsonl
 from scaletrain.monitor.progress import log
-from scaletrain.monitor.run_record import RunRecord, from_rank0, is_resumed
+from scaletrain.monitor.run_record import RunRecord, from_rank0
 from scaletrain.monitor.throughput import peak_flops
 from scaletrain.monitor.timing import NULL_TIMER, StepTimer, combine_ranks, gather_windows
 
@@ -35,16 +35,6 @@ MFU_CONVENTION = (
 
 def thresholds(cfg) -> Thresholds:
     return Thresholds(**{k: getattr(cfg, k) for k in asdict(Thresholds())})
-
-
-def open_sinks(cfg, out: Path, start_step: int):
-    """metrics.jsonl always; TensorBoard event files in out/tensorboard when monitor.tensorboard (rank 0 only)."""
-    from scaletrain.monitor.tensorboard import MultiSink, TensorBoardSink
-
-    sinks: list = [JsonlSink(out / "metrics.jsonl", append=is_resumed(start_step))]
-    if cfg.tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard", purge_step=start_step + 1 if start_step else None))
-    return MultiSink(sinks)
 
 
 def read_samples(run_dir: Path) -> dict[int, list[dict]]:

@@ -49,21 +49,6 @@ class TensorBoardSink:
         for i, sample in enumerate(record.get("samples") or ()):  # train.sample_prompts' answers, as text
             self._writer.add_text(f"samples/prompt{i}", f"{sample['prompt']}\n\n{sample['answer']}", step)
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None, end: str = "finished") -> None:
         self._writer.flush()
         self._writer.close()
-
-
-class MultiSink:
-    """Writes every record to each sink (JSONL first: it is the run's record of truth)."""
-
-    def __init__(self, sinks: list):
-        self.sinks = sinks
-
-    def write(self, record: dict) -> None:
-        for s in self.sinks:
-            s.write(record)
-
-    def close(self) -> None:
-        for s in self.sinks:
-            s.close()

@@ -103,17 +103,19 @@ def init_distributed(device_type: str, timeout_s: float = 600.0, rdzv_endpoint: 
     return Runtime(rank, local_rank, world, device, dist.get_backend())
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(wait_for_peers: bool = True) -> None:
     """Leave the process group cleanly: wait for every rank, then destroy all groups while Python still runs.
 
     Without this a gloo worker thread can drop the last reference to a tensor of a finished collective after the
     interpreter began finalising; it then cannot take the GIL and the process aborts (SIGABRT, "terminate called
     without an active exception") although training had finished. Seen here with FSDP2 + fp16 on CPU ranks.
+    wait_for_peers=False (a rank that failed alone): no barrier, which the other ranks, waiting in the collective
+    the failed rank never reached, would never join; the rank exits and its launcher stops the others.
     """
     if not dist.is_initialized():
         return
     try:
-        if dist.get_world_size() > 1:
+        if wait_for_peers and dist.get_world_size() > 1:
             dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -10,6 +10,7 @@ import numpy as np
 from scaletrain.config.layout import AC_MODES, Layout
 from scaletrain.config.precisions import PRECISION_NAMES
 from scaletrain.models.spec import DecoderShape
+from scaletrain.plan.lora import LoraShape
 
 
 def runs_compiled(compile_asked: bool, fp8: str, gpu: str) -> bool:
@@ -35,6 +36,9 @@ class Workload:
     # length in tokens; a query then attends within its document, so attention costs per document, not per row.
     # None: every query sees its row (concat, pad)
     doc_len: int | None = None
+    # lora.rank > 0: a frozen base (fp32 weights, no gradients, no optimizer states) with trained adapters
+    # (plan/lora.py); None: full fine-tuning, every weight trained
+    lora: LoraShape | None = None
 
     @property
     def tokens_per_step(self) -> int:

@@ -20,8 +20,10 @@ from scaletrain.config.precisions import PRECISIONS
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.models.spec import LOSS_CHUNK_TOKENS, DecoderShape
 from scaletrain.plan.layout import LayoutGrid, Workload
+from scaletrain.plan.lora import LoraShape, adapter_activation_bytes_per_token, layer_adapter_params
 from scaletrain.plan.pipeline import activations_in_flight, schedule_column, v_shaped
-from scaletrain.plan.shapes import layout_columns, rank_params
+from scaletrain.models.stages import rank_layers
+from scaletrain.plan.shapes import layout_columns, rank_params, stage_balance
 
 # ---- fixed overheads (formulas.md: "budget 1-2 GB per GPU for CUDA context and NCCL buffers", as own lines) ----
 CUDA_CONTEXT_BYTES = 0.5e9  # unconfirmed: CUDA context + cuBLAS/cuDNN workspaces, typical 0.3-0.6 GB
@@ -240,19 +242,32 @@ def trainer_model_state_bytes(
     pp_rank: int | None = None,
     accumulation: int = 1,
     fsdp_accumulate: str = "sharded",
+    lora: LoraShape | None = None,
 ) -> dict[str, float]:
     """Bytes of parameters, gradients and AdamW states as scaletrain's trainer keeps them, on pipeline rank
     `pp_rank` (None: the rank that holds the most), stages split as the trainer splits them for seq_len-token
     samples: all fp32 (the compute dtype only changes gathered copies), FSDP2 sharding dim 0 of every tensor;
     optimizer states are exp_avg and exp_avg_sq plus one fp32 step counter per tensor.
     gradients: the most the rank holds during a step of `accumulation` micro-batches: the sharded fp32 gradient,
-    or FSDP2's whole fp32 gradients where it accumulates unsharded (holds_unsharded_grads)."""
+    or FSDP2's whole fp32 gradients where it accumulates unsharded (holds_unsharded_grads).
+    lora: the base is frozen (its parameters only) and the adapters of the rank's blocks alone have gradients and
+    optimizer states (plan/lora.py)."""
     v = stages_per_rank if pp > 1 else 1
     per_rank = rank_params(args, tp, pp, dp_shard, seq_len, v, v_shaped)
     rank = max(range(pp), key=lambda r: per_rank[r]) if pp_rank is None else pp_rank
     numel, tensors = per_rank[rank]
+    unsharded = bool(holds_unsharded_grads(dp_shard > 1, pp, accumulation, fsdp_accumulate))
+    if lora is not None:
+        layers = rank_layers(args, seq_len or args.max_seq_len, pp, v, v_shaped, stage_balance(args))[rank][0]
+        adapters, adapter_tensors = (layers * n for n in layer_adapter_params(args, lora, tp, dp_shard))
+        whole = layers * layer_adapter_params(args, lora, tp, 1)[0]
+        return {
+            "parameters": 4.0 * (numel + adapters),
+            "gradients": 4.0 * (whole if unsharded else adapters),
+            "optimizer states": 8.0 * adapters + 4.0 * adapter_tensors,
+        }
     grads = 4.0 * numel
-    if holds_unsharded_grads(dp_shard > 1, pp, accumulation, fsdp_accumulate):
+    if unsharded:
         grads = 4.0 * rank_params(args, tp, pp, 1, seq_len, v, v_shaped)[rank][0]
     return {"parameters": 4.0 * numel, "gradients": grads, "optimizer states": 8.0 * numel + 4.0 * tensors}
 
@@ -278,22 +293,28 @@ def memory_breakdown(
     lines: dict[str, np.ndarray] = {}
     unsharded = holds_unsharded_grads(fsdp, grid.pp, m, options.fsdp_accumulate)
     offloaded = fsdp & options.cpu_offload  # shards, sharded gradients and AdamW states live on the host
-    lines["parameters"] = np.where(offloaded, 0.0, 4.0 * cols["n_local"])
+    # what is trained: every weight, or with LoRA the adapters alone (the frozen base has weights only)
+    trained = _trained_columns(work, grid, cols)
+    weights = cols["n_local"] + (trained["n_local"] if work.lora is not None else 0.0)
+    lines["parameters"] = np.where(offloaded, 0.0, 4.0 * weights)
     # unsharded accumulation keeps FSDP2's whole gradients (reduce dtype fp32, on the device) until the last one
-    lines["gradients"] = np.where(unsharded, 4.0 * cols["n_tp"], np.where(offloaded, 0.0, 4.0 * cols["n_local"]))
-    lines["optimizer states"] = np.where(offloaded, 0.0, 8.0 * cols["n_local"] + 4.0 * cols["n_tensors"])
+    lines["gradients"] = np.where(unsharded, 4.0 * trained["n_tp"], np.where(offloaded, 0.0, 4.0 * trained["n_local"]))
+    lines["optimizer states"] = np.where(offloaded, 0.0, 8.0 * trained["n_local"] + 4.0 * trained["n_tensors"])
     # two blocks gathered (one computing, one prefetched) + the root; a block's whole gradient in the compute dtype
     # and its fp32 reduce copy while it is reduce-scattered, unless whole gradients are already counted above.
     # torch's pipeline stages skip resharding after backward: the whole stage stays gathered
+    adapters_tp = trained["n_tp"] if work.lora is not None else 0.0
+    adapter_layer_tp = trained["layer_tp"] if work.lora is not None else 0.0
     gathered_fsdp = np.where(
         grid.pp > 1,
-        e * cols["n_tp"],
-        e * (2 * cols["layer_tp"] + cols["root_tp"]) + np.where(unsharded, 0.0, (e + 4) * cols["layer_tp"]),
+        e * (cols["n_tp"] + adapters_tp),
+        e * (2 * (cols["layer_tp"] + adapter_layer_tp) + cols["root_tp"])
+        + np.where(unsharded, 0.0, (e + 4) * trained["layer_tp"]),
     )
     # autocast's cached low-precision weights (DDP, one rank): every linear's, not the embedding's (autocast leaves
     # embedding lookups in fp32), which a rank without pipeline stages holds
     embedding = np.where(grid.pp == 1, float(args.vocab_size * args.dim) / grid.tp, 0.0)
-    autocast_copies = np.where(e < 4, e * (cols["n_tp"] - embedding), 0.0)
+    autocast_copies = np.where(e < 4, e * (cols["n_tp"] + adapters_tp - embedding), 0.0)
     lines["gathered/cast weights"] = np.where(fsdp, gathered_fsdp, autocast_copies)
 
     tok = grid.micro_batch * work.seq_len / grid.cp
@@ -304,6 +325,8 @@ def memory_breakdown(
         sel = grid.ac == code
         if sel.any():
             per = layer_activation_bytes_per_token(args, e[sel], grid.tp[sel], mode, fused, lean)
+            if work.lora is not None and mode != "full":  # lora_B's inputs (and dropout's copies): matmul inputs
+                per = per + adapter_activation_bytes_per_token(args, work.lora, e[sel], grid.tp[sel])
             act[sel] = per * tok[sel]  # one block's, per micro-batch
     act = act + cp_extra_activation_bytes_per_token(args, e, grid.tp, grid.cp, grid.ac, fused, lean) * tok
     in_flight = activations_in_flight(grid.schedule, grid.pp, m, grid.virtual_stages)
@@ -325,7 +348,10 @@ def memory_breakdown(
     lines["recompute working set"] = np.where(grid.ac > 0, one_layer, 0.0)
 
     groups = (grid.dp_replicate > 1).astype(float) + fsdp + (grid.tp > 1) + (grid.pp > 1) + (grid.cp > 1)
-    lines["comm buffers"] = np.where(ddp, 4.0 * cols["n_tp"], 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0)
+    # DDP's buckets hold the gradients it all-reduces: the trained parameters'
+    lines["comm buffers"] = np.where(ddp, 4.0 * trained["n_tp"], 0.0) + (
+        NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0
+    )
     lines["CUDA context"] = np.full(len(grid), CUDA_CONTEXT_BYTES if on_gpu else 0.0)
     dynamic = (
         lines["activations"]
@@ -339,11 +365,38 @@ def memory_breakdown(
     # optimizer step holds every gradient plus foreach AdamW's sqrt(v) list (OPTIMIZER_TEMP_BYTES per parameter).
     # The gradients line is what gradients add to the larger of the two peaks.
     alone = (grid.dp_replicate * grid.dp_shard * grid.tp * grid.pp * grid.cp == 1) & (m == 1)
-    output_grad = 4.0 * float(args.vocab_size * args.dim)
-    step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * cols["n_local"]
+    output_grad = 4.0 * float(args.vocab_size * args.dim) if work.lora is None else 0.0  # LoRA: output frozen
+    step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * trained["n_local"]
     lines["gradients"] = np.where(alone, np.maximum(output_grad, step_peak - dynamic), lines["gradients"])
     lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
     return lines
+
+
+def _trained_columns(work: Workload, grid: LayoutGrid, cols: dict) -> dict[str, np.ndarray]:
+    """The trained parameters' columns, as param_columns names them (n_local, n_tensors, n_tp, layer_tp): every
+    parameter's (cols itself), or with LoRA the adapters' of the busiest rank's blocks (plan/lora.py)."""
+    if work.lora is None:
+        return cols
+    shard = np.asarray(grid.dp_shard * grid.cp)
+    keys = np.stack([np.asarray(grid.tp), shard], axis=1).astype(np.int64)
+    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+    per = np.array(
+        [
+            (
+                *layer_adapter_params(work.args, work.lora, int(t), int(d)),
+                layer_adapter_params(work.args, work.lora, int(t))[0],
+            )
+            for t, d in uniq
+        ],
+        dtype=np.float64,
+    ).reshape(-1, 3)[inverse.reshape(-1)]
+    layers = cols["layers"]
+    return {
+        "n_local": layers * per[:, 0],
+        "n_tensors": layers * per[:, 1],
+        "n_tp": layers * per[:, 2],
+        "layer_tp": per[:, 2],
+    }
 
 
 def host_bytes_per_node(
@@ -356,7 +409,9 @@ def host_bytes_per_node(
     """Host memory per node that CPU offload takes, bytes: every local rank's fp32 shards, sharded gradients
     and AdamW states (0 where nothing is offloaded)."""
     cols = cols if cols is not None else layout_columns(work, grid)
-    per_rank = 16.0 * cols["n_local"] + 4.0 * cols["n_tensors"]
+    trained = _trained_columns(work, grid, cols)
+    frozen = cols["n_local"] if work.lora is not None else 0.0  # LoRA's base: fp32 weights only
+    per_rank = 4.0 * frozen + 16.0 * trained["n_local"] + 4.0 * trained["n_tensors"]
     offloaded = (grid.dp_shard > 1) & options.cpu_offload
     return np.where(offloaded, per_rank * min(cluster.gpus_per_node, cluster.gpus), 0.0)
 

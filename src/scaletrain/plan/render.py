@@ -69,6 +69,14 @@ def print_plan(report: PlanReport) -> None:
         f"seq {w.seq_len}{f' (packed documents of {w.doc_len})' if w.doc_len else ''} · global batch "
         f"{w.global_batch} ({w.tokens_per_step:,} tokens/step)"
     )
+    if w.lora is not None:
+        from scaletrain.plan.lora import adapter_params
+
+        adapters = adapter_params(a, w.lora)
+        con.print(
+            f"{w.lora.describe()}: {adapters / 1e6:.2f} M adapter params ({adapters / a.num_params():.2%} of the "
+            f"base) get gradients and optimizer states; the base is frozen"
+        )
     con.print(
         f"{c.gpus} x {c.gpu.name} ({c.memory_bytes / 1e9:.0f} GB) · {c.nodes} node(s) of {c.gpus_per_node} · "
         f"{c.intra_link.name} inside, {c.inter_link.name} between"

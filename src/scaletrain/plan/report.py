@@ -36,7 +36,12 @@ class PlanReport:
         work, cluster, result = self.result.work, self.result.cluster, self.result
         return {
             "model": {"name": work.model_name, **dataclasses.asdict(work.args), "params": work.args.num_params()},
-            "workload": {"seq_len": work.seq_len, "global_batch": work.global_batch, "doc_len": work.doc_len},
+            "workload": {
+                "seq_len": work.seq_len,
+                "global_batch": work.global_batch,
+                "doc_len": work.doc_len,
+                "lora": _lora_dict(work),
+            },
             "cluster": {
                 "gpu": cluster.gpu.name,
                 "gpus": cluster.gpus,
@@ -115,3 +120,16 @@ def evaluate_report(
 def compare_dict(work: Workload, tokens: float, budgets: list[Budget]) -> dict:
     """JSON-able comparison of one token budget across GPU types (from advice.compare_gpus)."""
     return {"model": work.model_name, "tokens": tokens, "compare": [b.to_dict() for b in budgets]}
+
+
+def _lora_dict(work) -> dict | None:
+    """--lora-rank / [lora] as planned: rank, adapted linears, adapter parameters of the model."""
+    if work.lora is None:
+        return None
+    from scaletrain.plan.lora import adapter_params
+
+    return {
+        "rank": work.lora.rank,
+        "targets": list(work.lora.targets),
+        "adapter_params": adapter_params(work.args, work.lora),
+    }

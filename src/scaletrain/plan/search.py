@@ -112,6 +112,10 @@ class PlanResult:
         )
 
 
+# LoRA under tensor parallelism: whether the trainer runs it (resolve/job.py), so the search may place it
+LORA_UNDER_TP = False
+
+
 def divisors(n: int) -> list[int]:
     """Divisors of n, ascending, in O(sqrt n) (a million GPUs would take O(n) a second per call)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
@@ -120,6 +124,8 @@ def divisors(n: int) -> list[int]:
 
 def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
     a = work.args
+    if work.lora is not None and not LORA_UNDER_TP:
+        return [1]  # the trainer refuses LoRA under tensor parallelism (resolve/job.py check_lora_job)
     return [
         t
         for t in divisors(world)
@@ -130,6 +136,8 @@ def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
 
 
 def _cp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
+    if work.lora is not None:
+        return [1]  # the trainer refuses LoRA under context parallelism (resolve/job.py check_lora_job)
     wanted = opts.cp if opts.cp is not None else ((1, 2, 4, 8) if work.seq_len >= 32768 else (1,))
     return [c for c in wanted if c == 1 or (world % c == 0 and work.seq_len % (2 * c) == 0)]
 
@@ -148,8 +156,10 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
                 if gb % dp:
                     continue
                 for ds in divisors(dp):
-                    # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound
-                    if 16.0 * params_per_rank(args, t, p, ds * c, work.seq_len)[0] > capacity:
+                    # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound (LoRA's
+                    # frozen base: its fp32 weights alone)
+                    per_param = 4.0 if work.lora is not None else 16.0
+                    if per_param * params_per_rank(args, t, p, ds * c, work.seq_len)[0] > capacity:
                         continue
                     base.append((dp // ds, ds, t, p, c))
     if not base:

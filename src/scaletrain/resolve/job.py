@@ -11,6 +11,7 @@ from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
+from scaletrain.monitor.sinks import check_trackers
 from scaletrain.resolve.checks import check_hf_init, check_layout, pipeline_microbatches
 from scaletrain.resolve.device import settle_device_defaults
 from scaletrain.tasks import task_for
@@ -46,6 +47,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     """Check the config against a world size; raise ValueError whose message names the field and the fix.
     precision.dtype / parallel.compile "auto" are checked as they resolve on this host (settle_device_defaults)."""
     cfg = settle_device_defaults(cfg)
+    check_trackers(cfg.monitor)  # each tracker's library installed (the trackers extra), its settings usable
     spec = model_spec(cfg.model)
     task = task_for(cfg.task)
     task.check(cfg, spec)  # what the task needs of the model (vocabulary, sequence length)

@@ -20,7 +20,8 @@ from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.inference.samples import PromptSampler
 from scaletrain.monitor import StepProgress, configure_logging, log
 from scaletrain.monitor.run_record import begin_run
-from scaletrain.monitor.session import MonitorContext, TrainMonitor, open_sinks
+from scaletrain.monitor.session import MonitorContext, TrainMonitor
+from scaletrain.monitor.sinks import RunEnd, TrackedRun, open_sinks
 from scaletrain.parallel.compile import CompileProbe
 from scaletrain.train.preemption import PreemptionWatch
 from scaletrain.train.trainer import NonFiniteError, StepResult, Trainer
@@ -120,7 +121,8 @@ class _Outputs:
             (out / "config.toml").write_text(to_toml(cfg))
             if start_step:
                 _truncate_metrics(out / "metrics.jsonl", start_step)
-            self.sink = open_sinks(cfg.monitor, out, start_step)
+            config = cfg.model_dump(mode="json", exclude_none=True)  # as config.toml holds it
+            self.sink = open_sinks(cfg.monitor, TrackedRun(out, cfg.run.name, start_step, config))
         pipeline = trainer.model.pipeline
         self.progress = StepProgress(
             cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console
@@ -145,13 +147,15 @@ class _Outputs:
         if self.sink is not None:
             self.sink.write(record)
 
-    def close(self, summary: dict | None = None, with_diagnosis: bool = True) -> None:
-        """Close everything; rank 0 writes summary.json when given one. No diagnosis when the run failed."""
+    def close(self, summary: dict | None = None, end: RunEnd = "finished") -> None:
+        """Close everything; rank 0 writes summary.json when given one and tells the trackers how the run ended
+        (stopped: preempted). No diagnosis when the run failed."""
         self.progress.close()
         if self.sink is not None:
-            self.sink.close()
             if summary is not None:
                 self.out.joinpath("summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.sink.close(summary, end)
+            if summary is not None:
                 log.info(
                     "done: loss %.4f, validation loss %.4f, %.1f s, outputs in %s",
                     summary["final_loss"],
@@ -159,7 +163,7 @@ class _Outputs:
                     summary["elapsed_s"],
                     self.out,
                 )
-        self.monitor.close(with_diagnosis)  # stops sampling; rank 0 writes the diagnosis
+        self.monitor.close(with_diagnosis=end != "failed")  # stops sampling; rank 0 writes the diagnosis
 
 
 class _LogWindow:
@@ -330,10 +334,10 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 ckpt.save(cfg.train.steps, trainer.model.module, trainer.job.optimizer, trainer.state_dict(), sync=True)
             ckpt.close()
     except SystemExit:  # preempted: the checkpoint is saved, the outputs are whole
-        outputs.close()
+        outputs.close(end="stopped")
         raise
     except BaseException:
-        outputs.close(with_diagnosis=False)
+        outputs.close(end="failed")
         raise
     elapsed = time.perf_counter() - t_start
     summary = {

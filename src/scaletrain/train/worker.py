@@ -21,6 +21,7 @@ def run_from_dict(tree: dict) -> dict:
     cfg = validate_config(tree)
     rank = int(os.environ.get("RANK", "0"))
     console = redirect_to_rank_log(cfg.run_dir(), rank)
+    failed_alone = False  # an error of this rank, which the others may not share (they wait in a collective)
     try:
         return train(cfg, console=console)
     except NodeMismatchError as e:
@@ -31,17 +32,22 @@ def run_from_dict(tree: dict) -> dict:
     except BaseException as e:
         if not isinstance(e, SystemExit):  # SystemExit(EXIT_REQUEUE) is a preemption, already logged
             log_exception(rank, e)
+            failed_alone = True
         raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(wait_for_peers=not failed_alone)
 
 
 def run(cfg: JobConfig) -> None:
     """Train `cfg` as the rank an external launcher started (`scaletrain train` under torchrun, or main below)."""
+    failed_alone = False
     try:
         train(cfg)
+    except Exception:
+        failed_alone = True  # no barrier the other ranks would never join (shutdown_distributed)
+        raise
     finally:
-        shutdown_distributed()
+        shutdown_distributed(wait_for_peers=not failed_alone)
 
 
 def main(argv: list[str] | None = None) -> None:

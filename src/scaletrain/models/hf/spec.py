@@ -52,6 +52,9 @@ class HFSpec(ModelSpec):
     @classmethod
     def from_section(cls, keys: dict[str, Any], preset: Any | None) -> HFSpec:
         """model.hf = FOLDER and nothing else: the shape comes from the folder's config.json."""
+        from scaletrain.config.extras import require
+
+        require("transformers", "model.hf")  # a plain install has no transformers: the hf extra brings it
         for key in keys:
             if key != cls.selected_by:
                 raise ValueError(f"model.{key}: the shape comes from model.hf's config.json; remove model.{key}")

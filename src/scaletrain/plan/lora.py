@@ -1,0 +1,116 @@
+"""LoRA as the planner counts it (`plan --lora-rank R`, `[lora]` of a job config): the frozen base keeps its fp32
+weights but no gradients and no AdamW states; each adapted linear W (out x in) gains peft's lora_A (rank x in) and
+lora_B (out x rank), fp32, which alone get gradients and optimizer states (models/lora.py). Adapters sit on the
+block's projections only (never the embedding or the output layer), so a rank holds its blocks' adapters.
+
+Sharding follows the base layer (torchtitan's LoRA): under tensor parallelism a column-parallel base (q, k, v, gate,
+up) keeps lora_A whole and splits lora_B's rows; a row-parallel base (o, down) splits lora_A's columns and keeps
+lora_B whole. FSDP2 shards dim 0 of every adapter like any weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from scaletrain.models.spec import DecoderShape
+from scaletrain.plan.shapes import _shard_rows, layer_param_shapes
+
+# target module names of the families (built-in Llama, Hugging Face) -> the planner's name of that linear
+PLAN_NAME = {
+    "wq": "q",
+    "wk": "k",
+    "wv": "v",
+    "wo": "o",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+COLUMN_PARALLEL = ("q", "k", "v", "gate", "up")  # parallel/tensor_parallel.py: output rows split
+ROW_PARALLEL = ("o", "down")  # input columns split
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """What the planner needs of `[lora]`: the rank and which of the block's linears are adapted (planner names)."""
+
+    rank: int
+    targets: tuple[str, ...] = COLUMN_PARALLEL + ROW_PARALLEL  # the families' default: attention and MLP
+    dropout: bool = False  # lora.dropout > 0: each adapter keeps a dropped-out copy of its input
+
+    def describe(self) -> str:
+        return f"LoRA rank {self.rank} on {', '.join(self.targets)}"
+
+
+def lora_shape(rank: int, targets: list[str] | None = None, dropout: float = 0.0) -> LoraShape:
+    """The planner's LoraShape of lora.rank / lora.targets (None: the families' default projections) /
+    lora.dropout; ValueError naming lora.targets for a module the planner cannot place."""
+    if targets is None:
+        return LoraShape(rank, dropout=dropout > 0)
+    names = []
+    for t in targets:
+        name = PLAN_NAME.get(t.rsplit(".", 1)[-1], t)
+        if name not in COLUMN_PARALLEL + ROW_PARALLEL:
+            raise ValueError(
+                f"lora.targets: the planner knows no block linear {t!r}; name projections ({', '.join(PLAN_NAME)})"
+            )
+        if name not in names:
+            names.append(name)
+    return LoraShape(rank, tuple(names), dropout > 0)
+
+
+def adapter_shapes(args: DecoderShape, lora: LoraShape) -> list[tuple[str, str, tuple[int, int]]]:
+    """(base linear, lora_A|lora_B, shape) of one block's adapters."""
+    linears = dict(layer_param_shapes(args))
+    out = []
+    for name in lora.targets:
+        if name not in linears:  # the GPT block has no gate
+            continue
+        rows, cols = linears[name]
+        out.append((name, "lora_A", (lora.rank, cols)))
+        out.append((name, "lora_B", (rows, lora.rank)))
+    return out
+
+
+def layer_adapter_params(args: DecoderShape, lora: LoraShape, tp: int = 1, dp_shard: int = 1) -> tuple[int, int]:
+    """(adapter elements, adapter tensors) of one block on the largest rank after TP and FSDP2 dim-0 sharding."""
+    numel = 0
+    shapes = adapter_shapes(args, lora)
+    for base, kind, (rows, cols) in shapes:
+        if tp > 1 and kind == "lora_B" and base in COLUMN_PARALLEL:
+            rows = -(-rows // tp)
+        if tp > 1 and kind == "lora_A" and base in ROW_PARALLEL:
+            cols = -(-cols // tp)
+        if dp_shard > 1:
+            rows = _shard_rows(rows, dp_shard)
+        numel += math.prod((rows, cols))
+    return numel, len(shapes)
+
+
+def adapter_params(args: DecoderShape, lora: LoraShape) -> int:
+    """Every adapter element of the model (one replica)."""
+    return args.n_layers * layer_adapter_params(args, lora)[0]
+
+
+def adapter_activation_bytes_per_token(args: DecoderShape, lora: LoraShape, elem_bytes, tp=1):
+    """Bytes the adapters add to what one block saves for backward, per token: lora_B's input (rank elements per
+    adapted linear; lora_A's input is the base layer's, already kept); with lora.dropout, also lora_A's own
+    dropped-out copy of the input and its 1-byte mask (a row-parallel input is split by TP)."""
+    import numpy as np
+
+    e = np.asarray(elem_bytes, dtype=np.float64)
+    t = np.asarray(tp, dtype=np.float64)
+    out = np.zeros_like(e * t)
+    for base, kind, (_, cols) in adapter_shapes(args, lora):
+        if kind == "lora_A":
+            out = out + e * lora.rank
+            if lora.dropout:
+                out = out + (e + 1.0) * (cols / t if base in ROW_PARALLEL else cols)
+    return out

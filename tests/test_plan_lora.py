@@ -1,0 +1,180 @@
+"""The planner's LoRA (`plan --lora-rank R`, `[lora]` of a job config): the model-state bytes it predicts per rank
+(frozen base weights; adapters' weights, gradients and AdamW states) equal the bytes of the tensors the trainer keeps
+for the same adapted model (peft's layers, models/lora.py) in a real step of 4 micro-batches, for DDP, FSDP2
+(sharded and unsharded accumulation) and PP on 2 gloo ranks (one launch); and the command prints it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import FAST, run_cli_in_process
+from test_plan_distributed import ACCUMULATION, SEQ, _batches, _grad_bytes, _local_bytes, _spec
+
+from scaletrain.config.schema import LoraConfig
+from scaletrain.launch.local import free_port
+from scaletrain.plan.lora import adapter_params, lora_shape
+from scaletrain.plan.memory import trainer_model_state_bytes
+
+RANK = 4
+# (dp_replicate, dp_shard, pp, schedule, vocab, fsdp_accumulate)
+LAYOUTS = [
+    (2, 1, 1, None, 256, "sharded"),
+    (1, 2, 1, None, 256, "sharded"),
+    (1, 2, 1, None, 256, "unsharded"),
+    (1, 1, 2, "1F1B", 4096, "sharded"),
+]
+
+
+def _worker(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from scaletrain.config.layout import Layout
+    from scaletrain.config.schema import ParallelConfig, PrecisionConfig, TrainConfig
+    from scaletrain.models.lora import add_lora, init_adapters
+    from scaletrain.parallel.apply import ParallelPlan, apply_parallelism
+    from scaletrain.parallel.dims import build_mesh
+    from scaletrain.tasks.causal_lm import CausalLM
+    from scaletrain.train.job import Job
+    from scaletrain.train.optim import build_optimizer
+    from scaletrain.train.step import forward_backward
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = []
+    try:
+        for layout in LAYOUTS:
+            dpr, dps, pp, schedule, vocab, accumulate = layout
+            spec = _spec(vocab)
+            dims = Layout(dpr, dps, 1, pp, accumulation=ACCUMULATION)
+            mesh = build_mesh(dims, "cpu")
+            pcfg = ParallelConfig(
+                dp_replicate=dpr,
+                dp_shard=dps,
+                pp=pp,
+                fsdp_accumulate=accumulate,
+                **({"pp_schedule": schedule} if schedule else {}),
+            )
+            plan = ParallelPlan(dims, pcfg, PrecisionConfig(dtype="fp32"), spec, seq_len=SEQ)
+            model = add_lora(spec.build("meta"), LoraConfig(rank=RANK), spec)
+
+            def init(m, spec=spec) -> None:
+                spec.init_weights(m, 0)
+                init_adapters(m, 0)
+
+            pm = apply_parallelism(model, plan, mesh, torch.device("cpu"), init)
+            model = pm.module
+            opt = build_optimizer(model, TrainConfig())
+            job = Job(model=model, optimizer=opt, layout=dims, mesh=mesh, device=torch.device("cpu"), rank=rank,
+                      world_size=world, dp_rank=0, dtype="fp32", pipeline=pm.pipeline,
+                      loss_parallel=pm.loss_parallel, fsdp_accumulate=accumulate)  # fmt: skip
+            held = [0]
+
+            def measure(_i: int = 0, model=model, held=held) -> None:
+                held[0] = max(held[0], _grad_bytes(model))
+
+            if pm.pipeline is not None:  # the schedule's REDUCE_GRAD action ends each stage's accumulation
+                for stage in pm.pipeline.stages:
+                    reduce = stage.perform_reduce_grad
+                    stage.perform_reduce_grad = lambda f, reduce=reduce: (measure(), reduce(f))[1]
+            batches = _batches(vocab, ACCUMULATION, 0)
+            forward_backward(job, CausalLM(), batches, 1.0 / (ACCUMULATION * SEQ), after_backward=measure)
+            measure()
+            job.step()
+            states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+            results.append(
+                {
+                    "layout": layout,
+                    "pp_rank": mesh["pp"].get_local_rank() if pp > 1 else 0,
+                    "parameters": sum(_local_bytes(p) for p in model.parameters()),
+                    "gradients": held[0],
+                    "optimizer states": states,
+                    "trained": sum(p.numel() for p in model.parameters() if p.requires_grad),  # DTensor: global
+                }
+            )
+        out.put(results)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[dict]:
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_worker, args=(2, free_port(), q), nprocs=2, join=True, start_method="spawn")
+    return [r for _ in range(2) for r in q.get()]
+
+
+def test_one_process_lora_trainer_keeps_what_the_planner_predicts(tmp_path):
+    """The trainer itself (Trainer.build, one process): its parameters, the gradients after a step's backward and
+    the AdamW states after the step, in bytes, as trainer_model_state_bytes predicts them with LoRA."""
+    from scaletrain.config import load_config
+    from scaletrain.train import Trainer
+    from scaletrain.train.step import forward_backward, step_count
+
+    cfg = load_config(None, [*FAST, "lora.rank=4", "lora.targets=['wq','wv','w2']", f"run.output_dir={tmp_path}"])
+    trainer = Trainer.build(cfg)
+    model, job = trainer.model.module, trainer.job
+    mb = trainer.loader.next_step()
+    forward_backward(job, trainer.task, mb, trainer.layout.grad_average / step_count(job, trainer.task, mb))
+    gradients = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    job.step(skip_nonfinite=False)
+    states = sum(_local_bytes(v) for s in job.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    measured = {
+        "parameters": sum(_local_bytes(p) for p in model.parameters()),
+        "gradients": gradients,
+        "optimizer states": states,
+    }
+    lora = lora_shape(4, ["wq", "wv", "w2"])
+    assert measured == trainer_model_state_bytes(trainer.spec.shape(), seq_len=cfg.data.seq_len, lora=lora)
+
+
+@pytest.mark.slow  # one 2-rank launch (~25 s); the one-process check above stays fast
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"dpr{x[0]}-dps{x[1]}-pp{x[2]}-{x[5]}")
+def test_lora_model_state_bytes_match_the_trainers_tensors_on_2_ranks(measured, layout):
+    dpr, dps, pp, schedule, vocab, accumulate = layout
+    rows = [r for r in measured if tuple(r["layout"]) == layout]
+    assert len(rows) == 2
+    shape, lora = _spec(vocab).shape(), lora_shape(RANK)
+    for r in rows:
+        predicted = trainer_model_state_bytes(
+            shape, 1, pp, dps, SEQ, 1, False, r["pp_rank"], ACCUMULATION, accumulate, lora=lora
+        )
+        assert {k: r[k] for k in predicted} == predicted, r
+    if pp == 1:  # every adapter of the model, as the planner counts them
+        assert rows[0]["trained"] == adapter_params(shape, lora)
+
+
+def test_plan_lora_rank_keeps_the_base_and_trains_adapters_only(tmp_path):
+    args = ["plan", "--model", "llama-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "64", "--json"]
+    full = json.loads(run_cli_in_process(args, tmp_path).stdout)
+    lora = json.loads(run_cli_in_process([*args, "--lora-rank", "16"], tmp_path).stdout)
+    assert full["workload"]["lora"] is None
+    assert lora["workload"]["lora"]["rank"] == 16
+    # 16 x (in + out) of q, k, v, o, gate, up, down in 32 blocks of Llama 3 8B
+    assert lora["workload"]["lora"]["adapter_params"] == 32 * 16 * (
+        2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)
+    )
+    by_layout = {r["describe"]: r["memory_bytes"] for r in full["layouts"]}
+    same = [(r["memory_bytes"], by_layout[r["describe"]]) for r in lora["layouts"] if r["describe"] in by_layout]
+    assert same, "no layout in both tables"
+    for with_lora, without in same:
+        assert with_lora["optimizer states"] < without["optimizer states"] / 100
+        assert with_lora["gradients"] < without["gradients"]
+        assert without["parameters"] <= with_lora["parameters"] < without["parameters"] * 1.01
+    assert all(r["layout"]["tp"] == 1 and r["layout"]["cp"] == 1 for r in lora["layouts"])  # what the trainer runs
+    text = run_cli_in_process([*args[:-1], "--lora-rank", "16"], tmp_path).stdout
+    assert "LoRA rank 16 on q, k, v, gate, up, o, down: 41.94 M adapter params (0.52% of the base)" in text
+
+
+def test_plan_reads_lora_from_a_job_config(tmp_path):
+    args = ["plan", "model.name=tiny", "lora.rank=4", "lora.targets=['wq','wv']", "--gpus", "2", "--json"]
+    out = json.loads(run_cli_in_process(args, tmp_path).stdout)
+    assert out["workload"]["lora"]["targets"] == ["q", "v"]
+    bad = run_cli_in_process(
+        ["plan", "model.name=tiny", "lora.rank=4", "lora.targets=['norm']", "--gpus", "2"], tmp_path, check=False
+    )
+    assert bad.returncode == 2 and "lora.targets: the planner knows no block linear 'norm'" in bad.stderr
