@@ -184,7 +184,7 @@ class _LogWindow:
             "grad_norm": float(result.grad_norm),
             "lr": result.lr,
             "step_time_s": step_time,
-            "tokens_per_s": tps,
+            f"{trainer.task.unit}_per_s": tps,  # tokens_per_s for causal-lm, images_per_s for a classifier
         }
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
@@ -341,7 +341,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         "final_loss": last_loss,
         "val_loss": val_loss,
         "elapsed_s": elapsed,
-        "tokens_per_s": counted / elapsed,  # the task's units (tokens for causal-lm) of the steps run here
+        f"{trainer.task.unit}_per_s": counted / elapsed,  # the task's units (tokens for causal-lm) of the steps here
         "world_size": rt.world_size,
         "layout": trainer.layout.describe_mesh(),
         "device": rt.device.type,
