@@ -131,17 +131,70 @@ def test_model_hf_folder_with_a_vision_config_is_the_vision_family(tmp_path, ima
     assert (spec.family, spec.architecture, spec.num_labels) == ("vision", "ConvNextForImageClassification", 4)
 
 
+# a user's own module, importable from the ranks' PYTHONPATH: model.factory = "my_cnn:small_cnn"
+USER_MODULE = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+
+    def forward(self, x):
+        return x + torch.relu(self.conv(x))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, num_labels, width):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.head = nn.Linear(width, num_labels)
+
+    def forward(self, pixels):
+        x = self.stem(pixels)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def small_cnn(num_labels, width=8):
+    return SmallCNN(num_labels, width)
+"""
+
+
 @pytest.fixture(scope="module")
 def layouts(images, tmp_path_factory):
-    """One process and, in one 2-rank launch, DDP (with accumulation) and FSDP2: 5 steps each of a ViT."""
+    """One process and, in one 2-rank launch, DDP (with accumulation) and FSDP2: 5 steps each of a ViT and of a
+    user's own module (model.factory); the one-process launch also trains the ViT with the trainer's loop to
+    its validation accuracy."""
+    import os
+
     from test_parallel_layouts import launch_runner
 
     out = tmp_path_factory.mktemp("layouts")
-    job = ["task.name=image-classification", "model.name=vit-tiny-image", f"data.path={images}", "train.steps=5",
-           "train.global_batch_size=8", "train.lr=0.003"]  # fmt: skip
-    launch_runner(1, {"single": [*job, "parallel.dp_shard=1"]}, out)
-    launch_runner(2, {"ddp2_accumulate": [*job, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
-                      "fsdp2": [*job, "parallel.dp_shard=2"]}, out)  # fmt: skip
+    (out / "my_cnn.py").write_text(USER_MODULE)
+    base = ["task.name=image-classification", f"data.path={images}", "train.global_batch_size=8", "train.lr=0.003"]
+    vit = [*base, "model.name=vit-tiny-image", "train.steps=5"]
+    cnn = [*base, "model.factory=my_cnn:small_cnn", "model.width=8", "task.image_size=32", "train.steps=5"]
+    fit = [*base, "model.name=vit-tiny-image", "train.steps=30", "train.warmup_steps=3", "train.eval_batches=2",
+           f"run.output_dir={out}", "run.name=fit", "monitor.log_interval=10"]  # fmt: skip
+    old = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(out), old]))  # the ranks import my_cnn
+    try:
+        single = {"single": [*vit, "parallel.dp_shard=1"], "cnn_single": [*cnn, "parallel.dp_shard=1"],
+                  "fit": [*fit, "parallel.dp_shard=1"]}  # fmt: skip
+        launch_runner(1, single, out, fit=frozenset({"fit"}))
+        layouts = {
+            "ddp2_accumulate": [*vit, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
+            "fsdp2": [*vit, "parallel.dp_shard=2"],
+            "cnn_fsdp2": [*cnn, "parallel.dp_shard=2"],
+        }
+        launch_runner(2, layouts, out)
+    finally:
+        os.environ["PYTHONPATH"] = old
     return out
 
 
@@ -149,9 +202,34 @@ def layouts(images, tmp_path_factory):
 def test_ddp_and_fsdp_losses_equal_one_process(layouts):
     from test_parallel_layouts import runner_losses
 
-    ref = runner_losses(layouts / "single")
-    assert len(ref) == 5
-    for name in ("ddp2_accumulate", "fsdp2"):
-        got = runner_losses(layouts / name)
-        for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
-            assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
+    for ref_name, names in (("single", ("ddp2_accumulate", "fsdp2")), ("cnn_single", ("cnn_fsdp2",))):
+        ref = runner_losses(layouts / ref_name)
+        assert len(ref) == 5
+        for name in names:
+            got = runner_losses(layouts / name)
+            for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
+                assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
+
+
+@pytest.mark.slow  # shares the launches above
+def test_training_learns_the_synthetic_classes(layouts):
+    from scaletrain.monitor import read_jsonl
+
+    records = read_jsonl(layouts / "fit/metrics.jsonl")
+    accuracy = [r["val_accuracy"] for r in records if "val_accuracy" in r]
+    assert accuracy and accuracy[-1] > 0.5, records[-3:]  # chance: 0.25 (4 classes)
+    assert all("images_per_s" in r for r in records if "loss" in r)
+
+
+def test_a_factory_that_does_not_import_is_one_line(tmp_path, images):
+    from click.testing import CliRunner
+
+    from scaletrain.cli.main import main
+
+    args = ["train", "task.name=image-classification", f"data.path={images}", "model.factory=no_such_pkg.nets:cnn"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        "scaletrain: error: model.factory: cannot import 'no_such_pkg.nets' (ModuleNotFoundError: No module named "
+        "'no_such_pkg'); put its folder on PYTHONPATH or fix the module"
+    )

@@ -88,7 +88,7 @@ class ImageClassification(Task):
                 raise ValueError(f"data.path: {cfg.data.path} has no {split} images; prepare it again "
                                  f"(--val-share > 0 keeps some for validation)")  # fmt: skip
         labels = int(getattr(spec, "num_labels", 0))
-        if getattr(spec, "labels_given", False) and manifest.num_labels > labels:
+        if getattr(spec, "labels_given", False) and labels and manifest.num_labels > labels:
             raise ValueError(f"model.num_labels: the data has {manifest.num_labels} classes, the model's head "
                              f"{labels}; raise model.num_labels or leave it unset to take the data's")  # fmt: skip
 
