@@ -233,3 +233,68 @@ def test_a_factory_that_does_not_import_is_one_line(tmp_path, images):
         "scaletrain: error: model.factory: cannot import 'no_such_pkg.nets' (ModuleNotFoundError: No module named "
         "'no_such_pkg'); put its folder on PYTHONPATH or fix the module"
     )
+
+
+RESUME_STEPS = 60  # checkpoints every 10: a kill after step 15 resumes from 10 or later
+RESUME_JOB = ["task.name=image-classification", "model.name=vit-tiny-image", "model.hidden_size=64",
+              "model.num_hidden_layers=4", "model.intermediate_size=128", f"train.steps={RESUME_STEPS}",
+              "train.global_batch_size=8", "train.lr=0.003", "train.eval_interval=0", "train.eval_batches=1",
+              "monitor.log_interval=1", "monitor.progress=false", "checkpoint.interval_steps=10",
+              "checkpoint.save_final=true", "--nproc-per-node", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clean_run(images, tmp_path_factory):
+    from conftest import run_cli
+
+    cwd = tmp_path_factory.mktemp("resume")
+    run_cli(["train", *RESUME_JOB, f"data.path={images}", "run.name=clean"], cwd)
+    return cwd
+
+
+def _final_state(run: Path) -> dict:
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    return load_full_model_state(run / "checkpoints" / f"step_{RESUME_STEPS:08d}")[0]
+
+
+@pytest.mark.slow  # a 2-rank launch killed and restarted, plus the clean reference
+def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run, images):
+    import os
+    import signal
+
+    import torch
+    from test_checkpoint import _start, _wait_for_step, _workers
+
+    from conftest import losses
+
+    proc = _start(["train", *RESUME_JOB, f"data.path={images}", "run.name=killed", "launch.max_restarts=2"],
+                  clean_run)  # fmt: skip
+    reached = _wait_for_step(clean_run / "runs/killed", 15, proc)
+    os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
+    assert reached < RESUME_STEPS
+    got, want = _final_state(clean_run / "runs/killed"), _final_state(clean_run / "runs/clean")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert losses(clean_run / "runs/killed") == losses(clean_run / "runs/clean")  # same images, same augmentation
+
+
+@pytest.mark.slow  # shares the clean run above
+def test_export_hf_loads_in_transformers_with_equal_logits(clean_run, tmp_path):
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    ckpt = clean_run / "runs/clean/checkpoints" / f"step_{RESUME_STEPS:08d}"
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], clean_run)
+    hf = AutoModelForImageClassification.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.id2label == {0: "class0", 1: "class1", 2: "class2", 3: "class3"}
+    state, spec = load_full_model_state(ckpt)
+    assert spec is not None
+    ours = spec.build("cpu").eval()
+    ours.load_state_dict(state)
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf(pixel_values=pixels).logits, ours(pixels))
