@@ -298,3 +298,21 @@ def test_export_hf_loads_in_transformers_with_equal_logits(clean_run, tmp_path):
     pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(hf(pixel_values=pixels).logits, ours(pixels))
+
+
+def test_setup_records_a_live_image_classifier_so_its_checkpoint_exports_as_hf(tmp_path):
+    """scaletrain.setup() on a user's transformers classifier records the vision spec (job.save's manifest): it
+    rebuilds from the manifest and writes the model's own config.json."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from scaletrain.api import _transformers_spec
+    from scaletrain.models.registry import spec_from_manifest
+
+    config = ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                       intermediate_size=32, num_labels=5)  # fmt: skip
+    spec = _transformers_spec(ViTForImageClassification(config))
+    assert spec is not None and spec.family == "vision"
+    rebuilt = spec_from_manifest(json.loads(json.dumps(spec.manifest())))
+    assert rebuilt.hf is not None and (tmp_path / "config.json") in rebuilt.hf.write_config(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["architectures"] == ["ViTForImageClassification"] and len(written["id2label"]) == 5

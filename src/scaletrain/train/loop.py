@@ -122,8 +122,9 @@ class _Outputs:
                 _truncate_metrics(out / "metrics.jsonl", start_step)
             self.sink = open_sinks(cfg.monitor, out, start_step)
         pipeline = trainer.model.pipeline
+        unit = {"tokens": "tok", "images": "img"}.get(trainer.task.unit, trainer.task.unit)
         self.progress = StepProgress(
-            cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console
+            cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console, unit=unit
         )
         context = MonitorContext(
             out,
@@ -252,15 +253,16 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     outputs = _Outputs(trainer, out, start_step, console)
     compile_mode = {True: "compiled", False: "eager", "auto": "compile auto"}[cfg.parallel.compile]
     log.info(
-        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d, %s, %s",
+        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %s, accumulation %d, %s, %s",
         cfg.model.name,
         rt.world_size,
         rt.device.type,
         trainer.layout.describe_mesh(),
         trainer.spec.num_params() / 1e6,
         cfg.train.steps,
-        cfg.train.global_batch_size,
-        cfg.data.seq_len,
+        f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens"
+        if trainer.task.unit == "tokens"
+        else f"{cfg.train.global_batch_size} {trainer.task.unit}",
         trainer.layout.accumulation,
         cfg.precision.dtype + (f" + fp8 {cfg.precision.fp8}" if cfg.precision.fp8 != "none" else ""),
         compile_mode,

@@ -88,6 +88,17 @@ class VisionSpec(ModelSpec):
         spec.check()
         return spec
 
+    @classmethod
+    def of_model(cls, model: nn.Module) -> VisionSpec:
+        """The spec of a live transformers image classifier (`scaletrain.setup()` on a user's model): its own
+        config, so job.save() records it and `ckpt export --format hf` writes its folder."""
+        config = cast(Any, model).config
+        fields = json.loads(config.to_json_string(use_diff=False))
+        labels = int(config.num_labels)
+        spec = cls(VisionArgs(config=json.dumps(fields, sort_keys=True), num_labels=labels))
+        spec.__dict__["meta_model"] = model  # shape questions answered by the model as it is
+        return spec
+
     def with_labels(self, names: list[str]) -> VisionSpec:
         """This model with a head of len(names) classes named `names` (written into the export's id2label)."""
         config = self.args.config_dict
