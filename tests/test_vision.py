@@ -167,7 +167,7 @@ def small_cnn(num_labels, width=8):
 
 @pytest.fixture(scope="module")
 def layouts(images, tmp_path_factory):
-    """One process and, in one 2-rank launch, DDP (with accumulation) and FSDP2: 5 steps each of a ViT and of a
+    """One process and, in one 2-rank launch, DDP (with accumulation), FSDP2 and TP 2: 5 steps each of a ViT and of a
     user's own module (model.factory); the one-process launch also trains the ViT with the trainer's loop to
     its validation accuracy."""
     import os
@@ -191,6 +191,7 @@ def layouts(images, tmp_path_factory):
             "ddp2_accumulate": [*vit, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
             "fsdp2": [*vit, "parallel.dp_shard=2"],
             "cnn_fsdp2": [*cnn, "parallel.dp_shard=2"],
+            "tp2": [*vit, "parallel.tp=2", "parallel.dp_shard=1"],
         }
         launch_runner(2, layouts, out)
     finally:
@@ -199,10 +200,10 @@ def layouts(images, tmp_path_factory):
 
 
 @pytest.mark.slow  # two launches (one process, two ranks)
-def test_ddp_and_fsdp_losses_equal_one_process(layouts):
+def test_ddp_fsdp_and_tp_losses_equal_one_process(layouts):
     from test_parallel_layouts import runner_losses
 
-    for ref_name, names in (("single", ("ddp2_accumulate", "fsdp2")), ("cnn_single", ("cnn_fsdp2",))):
+    for ref_name, names in (("single", ("ddp2_accumulate", "fsdp2", "tp2")), ("cnn_single", ("cnn_fsdp2",))):
         ref = runner_losses(layouts / ref_name)
         assert len(ref) == 5
         for name in names:

@@ -70,6 +70,9 @@ class ImageClassification(Task):
         for degree, fix in (("pp", "parallel.pp=1"), ("cp", "parallel.cp=1")):
             if getattr(cfg.parallel, degree) > 1:
                 raise ValueError(f"parallel.{degree}: {self.name} does not run under this parallelism yet; use {fix}")
+        if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+            raise ValueError(f"parallel.sequence_parallel: {self.name} does not split images' patches over tensor-"
+                             f"parallel ranks yet; set parallel.sequence_parallel=false")  # fmt: skip
         if cfg.data.mix:
             raise ValueError(f"data.mix: {self.name} reads one prepared image folder; set data.path instead")
         if not cfg.data.path or cfg.data.source not in ("auto", "prepared"):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from scaletrain.config.errors import FieldError
-from scaletrain.models.spec import HFAdapter, ModelSpec, init_by_name
+from scaletrain.models.spec import CONFIG_TP_WORDS, HFAdapter, ModelSpec, TPWords, check_tp_divides, init_by_name
 from scaletrain.models.vision.args import VisionArgs
 
 if TYPE_CHECKING:
@@ -256,6 +256,40 @@ class VisionSpec(ModelSpec):
 
     def has_output(self, model: nn.Module) -> bool:
         return True
+
+    # -- tensor parallelism ---------------------------------------------------------------------------------
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+        """A ViT splits its attention heads and MLP over tp ranks (Megatron's column-then-row pairs); other
+        architectures (convolutions) have no plan."""
+        if self.config.model_type != "vit":
+            super().check_tp(tp, words)
+        c = self.config
+        words = words if words.config is not None else replace(words, config="model.")
+        check_tp_divides(tp, words, num_attention_heads=int(c.num_attention_heads),
+                         intermediate_size=int(c.intermediate_size))  # fmt: skip
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Per ViT layer: q/k/v and fc1 column-wise (each rank a share of the heads and of the MLP), o_proj and
+        fc2 row-wise (their outputs summed over the ranks); embeddings, norms and the head replicated. The
+        attention reshapes to (-1 heads, head_dim), so each rank runs its own heads unchanged."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        if sequence_parallel:
+            raise ValueError("parallel.sequence_parallel: not built for vision models; set it false")
+        from scaletrain.models.vision.tp import Replicated
+
+        container = self.blocks(model)
+        path = next(n for n, m in model.named_modules() if m is container)
+        base = path.rpartition(".")[0]
+        # every other parameter a replicated DTensor: the optimizer's foreach kernels cannot mix them with plain ones
+        plan: dict = {f"{base}.embeddings": Replicated(), f"{base}.layernorm": Replicated(), "classifier": Replicated()}
+        for key in container.keys() if hasattr(container, "keys") else map(str, range(len(container))):
+            p = f"{path}.{key}."
+            plan.update({p + "layernorm_before": Replicated(), p + "layernorm_after": Replicated()})
+            plan.update({p + "attention.q_proj": ColwiseParallel(), p + "attention.k_proj": ColwiseParallel(),
+                         p + "attention.v_proj": ColwiseParallel(), p + "attention.o_proj": RowwiseParallel(),
+                         p + "mlp.fc1": ColwiseParallel(), p + "mlp.fc2": RowwiseParallel()})  # fmt: skip
+        return plan
 
     # -- numbers --------------------------------------------------------------------------------------------
     def num_params(self) -> int:
