@@ -155,14 +155,19 @@ class FactorySpec(ModelSpec):
         copy_full_state(model, full.state_dict())
 
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
-        from scaletrain.parallel.blocks import block_container
+        from torch import nn
 
-        found = block_container(model)
+        # the rule scaletrain.setup() follows for a model without a spec (parallel/blocks.py; models/ sits below
+        # parallel/, so it is written here again): its largest ModuleList / ModuleDict
+        found: nn.ModuleList | nn.ModuleDict | None = None
+        for m in model.modules():
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) and (found is None or len(m) > len(found)):
+                found = m
         if found is None:
             raise FieldError("model.factory", f"{type(model).__name__} holds no nn.ModuleList or nn.ModuleDict of "
                                               f"blocks (the unit of FSDP and activation checkpointing); keep its "
                                               f"repeated layers in one")  # fmt: skip
-        return cast("nn.ModuleDict", found[1])
+        return cast("nn.ModuleDict", found)
 
     def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
         raise ValueError("parallel.pp: a model.factory module has no pipeline cut; use parallel.pp=1")
