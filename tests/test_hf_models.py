@@ -233,7 +233,9 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     # in-process: the same checks resolve_job runs before any rank starts
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
     assert "is not known to transformers" in _refusal([f"model.hf={tmp_path}"])
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))  # an image classifier: the vision family
+    assert "causal-lm feeds token ids, and the vision model takes none" in _refusal([f"model.hf={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "align"}))
     assert "is not a causal language model" in _refusal([f"model.hf={tmp_path}"])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 256}))
     assert "this architecture is not supported" in _refusal([f"model.hf={tmp_path}"])

@@ -113,6 +113,10 @@ def _transformers_spec(model: nn.Module) -> ModelSpec | None:
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return None
+    from scaletrain.models.vision.spec import VisionSpec, image_classifier_types
+
+    if type(model).__name__ in image_classifier_types().values():  # a ViT, ResNet, ConvNeXt ... classifier
+        return VisionSpec.of_model(model)
     from scaletrain.models.hf.spec import HFSpec
 
     return HFSpec.of_model(model)

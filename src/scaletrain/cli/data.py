@@ -25,10 +25,10 @@ def data() -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Folder to write the dataset to.")
 @click.option(
     "--tokenizer",
-    required=True,
+    default=None,
     metavar="PATH|bytes",
     help="A Hugging Face tokenizer folder or tokenizer.json (read locally, nothing downloaded), or `bytes`: "
-    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos).",
+    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos). Required but for --format images.",
 )
 @click.option("--text-key", default="text", show_default=True, help="JSON key / column holding each document.")
 @click.option(
@@ -62,12 +62,25 @@ def data() -> None:
 @click.option(
     "--format",
     "data_format",
-    type=click.Choice(["text", "chat", "prompt-completion"]),
+    type=click.Choice(["text", "chat", "prompt-completion", "images"]),
     default="text",
     show_default=True,
     help="text: documents, every token trained. chat: records holding a messages list, rendered with the "
     "tokenizer's chat template, loss on the assistant turns only. prompt-completion: two fields, loss on the "
-    "completion only.",
+    "completion only. images: a class-per-folder image tree or a .jsonl of path/label records, into WebDataset "
+    "tar shards (no tokenizer).",
+)
+@click.option(
+    "--shard-images",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="--format images: images per tar shard.",
+)
+@click.option(
+    "--skip-bad-images",
+    is_flag=True,
+    help="--format images: leave unreadable images out (counted in the manifest) instead of stopping at the first.",
 )
 @click.option("--messages-key", default="messages", show_default=True, help="--format chat: the messages list's key.")
 @click.option("--prompt-key", default="prompt", show_default=True, help="--format prompt-completion: the prompt's key.")
@@ -104,6 +117,8 @@ def prepare_cmd(
     completion_key: str,
     max_tokens: int | None,
     overlong: str | None,
+    shard_images: int,
+    skip_bad_images: bool,
 ) -> None:
     """Tokenize INPUT... (text files or folders, JSON Lines (.jsonl, .jsonl.gz), Parquet, `datasets.save_to_disk`
     folders) into token shards with a manifest in --out.
@@ -122,6 +137,11 @@ def prepare_cmd(
         check_writable_folder(out, "--out")
     except ValueError as e:
         fail(str(e))
+    if data_format == "images":
+        _prepare_images(inputs, out, val_share, shard_images, skip_bad_images)
+        return
+    if tokenizer is None:
+        fail(f"--tokenizer: required for --format {data_format}; give a tokenizer folder, tokenizer.json or `bytes`")
     if data_format == "text":
         for value, name in ((max_tokens, "--max-tokens"), (overlong, "--overlong")):
             if value is not None:
@@ -181,6 +201,22 @@ def prepare_cmd(
             f"{src['samples_truncated']:,}, dropped {src['samples_dropped_overlong']:,}; without a trained token "
             f"dropped {src['samples_dropped_untrained']:,}"
         )
+
+
+def _prepare_images(inputs: tuple[str, ...], out: Path, val_share: float, shard_images: int, skip_bad: bool) -> None:
+    from scaletrain.data.image_prepare import ImagePrepareError, ImagePrepareOptions, prepare_images
+
+    options = ImagePrepareOptions(val_share=val_share, shard_images=shard_images, skip_bad=skip_bad)
+    try:
+        m = prepare_images([Path(p) for p in inputs], out, options)
+    except ImagePrepareError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"{e.filename or out}: {e.strerror or e}", code=EXIT_FAILED)
+    train, val = m.splits["train"], m.splits["val"]
+    skipped = f", {m.skipped:,} unreadable image(s) skipped" if m.skipped else ""
+    click.echo(f"{out}: {m.num_labels} classes; train {train['samples']:,} images in {len(train['shards'])} "
+               f"shard(s), val {val['samples']:,} images{skipped}")  # fmt: skip
 
 
 def _share(part: int | None, whole: int) -> str:

@@ -66,7 +66,11 @@ class TaskConfig(Section):
 
     model_config = ConfigDict(extra="allow")  # the task's own options, typed and checked by the task
 
-    name: str = Field("causal-lm", min_length=1, description="task: causal-lm (next-token prediction)")
+    name: str = Field(
+        "causal-lm",
+        min_length=1,
+        description="task: causal-lm (next-token prediction), image-classification (docs/vision.md)",
+    )
 
     def options(self) -> dict[str, Any]:
         """Every key of the section but `name`, as written."""

@@ -86,12 +86,12 @@ def model_spec(cfg) -> ModelSpec:
     set (e.g. model.hf = FOLDER) reads the section itself, else the preset cfg.name's family applies the other keys
     to it, each checked strictly against the family's own fields; ValueError (one line) names the bad key."""
     keys = cfg.family_keys()
-    by_key = {cls.selected_by: cls for cls in families().values() if cls.selected_by}
+    by_key = {cls.selected_by for cls in families().values() if cls.selected_by}
     chosen = [key for key in keys if key in by_key]
     if len(chosen) > 1:
         raise ValueError(f"model.{chosen[1]}: model.{chosen[0]} already chooses the model; set only one of them")
     if chosen:
-        return by_key[chosen[0]].from_section(keys, None)
+        return _family_of(chosen[0], keys[chosen[0]]).from_section(keys, None)
     base = preset_spec(cfg.name)
     return type(base).from_section(keys, base.args)
 
@@ -99,10 +99,17 @@ def model_spec(cfg) -> ModelSpec:
 def spec_selected_by(key: str, value: object) -> ModelSpec:
     """The spec of the family chosen by `model.<key> = value` alone (e.g. `plan --hf DIR` is model.hf = DIR);
     ValueError (one line) when no installed family is chosen by that key, or from the family's own checks."""
-    for cls in families().values():
-        if cls.selected_by == key:
-            return cls.from_section({key: value}, None)
-    raise ValueError(f"model.{key}: no installed model family is chosen by this key")
+    if not any(cls.selected_by == key for cls in families().values()):
+        raise ValueError(f"model.{key}: no installed model family is chosen by this key")
+    return _family_of(key, value).from_section({key: value}, None)
+
+
+def _family_of(key: str, value: object) -> type[ModelSpec]:
+    """The family `model.<key> = value` chooses: of those selected by `key`, the first whose `claims` says so,
+    families with their own `claims` asked before those that take whatever is left."""
+    candidates = [cls for cls in families().values() if cls.selected_by == key]
+    candidates.sort(key=lambda cls: cls.claims.__func__ is ModelSpec.claims.__func__)  # type: ignore[attr-defined]
+    return next((cls for cls in candidates if cls.claims(value)), candidates[-1])
 
 
 def spec_from_manifest(entry: dict) -> ModelSpec:

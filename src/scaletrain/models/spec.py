@@ -161,6 +161,13 @@ class ModelSpec(ABC):
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
+    def claims(cls, value: object) -> bool:
+        """Whether `model.<selected_by> = value` is this family's, where several families share that key (model.hf
+        holds a causal LM's or an image classifier's config.json); a family that overrides this is asked before
+        one that keeps the default (it takes whatever is left)."""
+        return True
+
+    @classmethod
     def from_section(cls, keys: dict[str, Any], preset: Any | None) -> ModelSpec:
         """This family's spec from the `[model]` keys other than `name` (`preset`: the args model.name picked; None
         when the family was chosen by its `selected_by` key, which is in `keys`). By default every key is a field

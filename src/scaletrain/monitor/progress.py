@@ -28,8 +28,18 @@ class StepProgress:
     """Step, loss, tokens/s, the monitor's headline (MFU, step breakdown, straggler) and ETA. Bar on a terminal;
     on anything else a log line per update."""
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, bar: bool, console: TextIO | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        bar: bool,
+        console: TextIO | None = None,
+        unit: str = "tok",
+    ):
+        """unit: what the throughput counts, as the line shows it (tok, img)."""
         self.enabled = enabled
+        self.unit = unit
         self.total = total_steps
         self._bar = None
         if enabled and bar and (console or sys.stderr).isatty():
@@ -40,7 +50,7 @@ class StepProgress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn(f"{{task.fields[tps]}} {unit}/s"),
                 TextColumn("{task.fields[extra]}"),
                 TimeElapsedColumn(),
                 TextColumn("eta"),
@@ -60,11 +70,12 @@ class StepProgress:
             self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}", extra=extra)
         else:
             log.info(
-                "step %d/%d  loss %.4f  %s tok/s%s",
+                "step %d/%d  loss %.4f  %s %s/s%s",
                 step,
                 self.total,
                 loss,
                 f"{tokens_per_s:,.0f}",
+                self.unit,
                 f"  {extra}" if extra else "",
             )
 

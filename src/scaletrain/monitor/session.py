@@ -154,8 +154,9 @@ class TrainMonitor:
         """Add the time since the run started (`t_s`, seconds), MFU and the rank-aggregated breakdown to a log
         record. Call on every rank at log steps."""
         record["t_s"] = round(self.run.t(), 3)
-        if self.peak and self.flops_per_token and record.get("tokens_per_s"):
-            record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak
+        rate = units_per_s(record)
+        if self.peak and self.flops_per_token and rate:
+            record["mfu"] = rate * self.flops_per_token / self.peak
         if isinstance(self.timer, StepTimer):  # enabled: the breakdown is on
             rows = gather_windows(self.timer.window(), self.device)
             record.update(combine_ranks(rows, record["step_time_s"]))
@@ -168,7 +169,7 @@ class TrainMonitor:
         parts = []
         if "mfu" in record:
             parts.append(f"MFU {record['mfu']:.2%}")
-        elif self.flops_per_token and "tokens_per_s" in record:
+        elif self.flops_per_token and units_per_s(record) is not None:
             parts.append("MFU —")  # no known peak: said once at start-up, and why
         st = record.get("step_time_s")
         if st and "time_data_s" in record:
@@ -207,3 +208,9 @@ class TrainMonitor:
         if not flagged(findings):
             log.info("diagnosis: no bottleneck found")
         return findings
+
+
+def units_per_s(record: dict) -> float | None:
+    """The task's throughput in a log record: `<unit>_per_s` (tokens_per_s for causal-lm, images_per_s for an image
+    classifier); flops_per_token is then the task's FLOPs per that unit."""
+    return next((v for k, v in record.items() if k.endswith("_per_s")), None)

@@ -75,6 +75,7 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
     if piped:
         micro = gb // dp // pipeline_microbatches(cfg, degrees)
     task.check_data(cfg, spec)  # every dataset opens and fits the model, before any rank starts
+    spec = task.bind_data(cfg, spec)  # what the data decides of the model (a classifier's classes)
     layout = replace(
         degrees,
         micro_batch=micro,

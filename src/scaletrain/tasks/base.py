@@ -64,6 +64,11 @@ class Task(ABC):
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """ValueError (one line naming the field) when the job's data cannot feed this task (may open it)."""
 
+    def bind_data(self, cfg: JobConfig, spec: ModelSpec) -> ModelSpec:
+        """The model spec completed from the data, after `check_data` (e.g. a classifier's head given the data's
+        classes); the spec as it is by default."""
+        return spec
+
     # -- data -----------------------------------------------------------------------------------------------
     @abstractmethod
     def loaders(self, cfg: JobConfig, spec: ModelSpec, micro_batch: int, dp_rank: int, dp_size: int) -> tuple:
@@ -102,9 +107,15 @@ class Task(ABC):
         return None
 
     # -- evaluation -----------------------------------------------------------------------------------------
+    def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Statistics of one validation micro-batch besides its loss, each a scalar summed over the validation run
+        and every rank, then given to `eval_metrics` (e.g. a classifier's correct predictions); none by default."""
+        return {}
+
     def eval_metrics(self, loss_sum: float, count: float) -> dict[str, float]:
-        """Metrics of a validation run from its loss summed over every rank and its count; `val_loss` is the one
-        the loop reports on the progress line and in summary.json."""
+        """Metrics of a validation run from its loss summed over every rank and its count (and, when `eval_sums`
+        gives any, a third argument: their sums); `val_loss` is the one the loop reports on the progress line and
+        in summary.json."""
         return {"val_loss": loss_sum / count}
 
     # -- description ----------------------------------------------------------------------------------------

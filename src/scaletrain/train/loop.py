@@ -124,8 +124,9 @@ class _Outputs:
             config = cfg.model_dump(mode="json", exclude_none=True)  # as config.toml holds it
             self.sink = open_sinks(cfg.monitor, TrackedRun(out, cfg.run.name, start_step, config))
         pipeline = trainer.model.pipeline
+        unit = {"tokens": "tok", "images": "img"}.get(trainer.task.unit, trainer.task.unit)
         self.progress = StepProgress(
-            cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console
+            cfg.train.steps, start_step, enabled=rt.rank == 0, bar=cfg.monitor.progress, console=console, unit=unit
         )
         context = MonitorContext(
             out,
@@ -188,7 +189,7 @@ class _LogWindow:
             "grad_norm": float(result.grad_norm),
             "lr": result.lr,
             "step_time_s": step_time,
-            "tokens_per_s": tps,
+            f"{trainer.task.unit}_per_s": tps,  # tokens_per_s for causal-lm, images_per_s for a classifier
         }
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
@@ -256,15 +257,16 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     outputs = _Outputs(trainer, out, start_step, console)
     compile_mode = {True: "compiled", False: "eager", "auto": "compile auto"}[cfg.parallel.compile]
     log.info(
-        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %d x %d tokens, accumulation %d, %s, %s",
+        "scaletrain: %s on %d %s rank(s), %s, %.2fM params, %d steps of %s, accumulation %d, %s, %s",
         cfg.model.name,
         rt.world_size,
         rt.device.type,
         trainer.layout.describe_mesh(),
         trainer.spec.num_params() / 1e6,
         cfg.train.steps,
-        cfg.train.global_batch_size,
-        cfg.data.seq_len,
+        f"{cfg.train.global_batch_size} x {cfg.data.seq_len} tokens"
+        if trainer.task.unit == "tokens"
+        else f"{cfg.train.global_batch_size} {trainer.task.unit}",
         trainer.layout.accumulation,
         cfg.precision.dtype + (f" + fp8 {cfg.precision.fp8}" if cfg.precision.fp8 != "none" else ""),
         compile_mode,
@@ -345,7 +347,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
         "final_loss": last_loss,
         "val_loss": val_loss,
         "elapsed_s": elapsed,
-        "tokens_per_s": counted / elapsed,  # the task's units (tokens for causal-lm) of the steps run here
+        f"{trainer.task.unit}_per_s": counted / elapsed,  # the task's units (tokens for causal-lm) of the steps here
         "world_size": rt.world_size,
         "layout": trainer.layout.describe_mesh(),
         "device": rt.device.type,

@@ -71,12 +71,17 @@ def _kwargs(job: Job, task: Task, batch: Any) -> dict[str, torch.Tensor]:
     return {k: _shard(job, task, x).to(job.device, non_blocking=True) for k, x in task.forward_kwargs(batch).items()}
 
 
-def loss_sum(job: Job, task: Task, batch: Any) -> torch.Tensor:
-    """The task's summed loss of one micro-batch through the model (forward under autocast; loss in fp32)."""
+def loss_sum(job: Job, task: Task, batch: Any, sums: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The task's summed loss of one micro-batch through the model (forward under autocast; loss in fp32).
+    sums: when given, the task's evaluation statistics of the batch (task.eval_sums) are added into it."""
     inputs = [_shard(job, task, x).to(job.device, non_blocking=True) for x in _inputs(task, batch)]
     with job.autocast():
         outputs = job.model(*inputs, **_kwargs(job, task, batch))
-    return task.loss_sum(outputs, _shard(job, task, task.targets(batch)).to(job.device))
+    targets = _shard(job, task, task.targets(batch)).to(job.device)
+    if sums is not None:
+        for key, value in task.eval_sums(outputs, targets).items():
+            sums[key] = sums.get(key, 0) + value.detach().float()
+    return task.loss_sum(outputs, targets)
 
 
 def _owned(job: Job, loss: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,7 @@ def evaluate(job: Job, task: Task, loader, batches: int) -> dict[str, float]:
     loader.consumed_samples = 0
     total = torch.zeros((), device=job.device)
     count = 0.0
+    sums: dict[str, torch.Tensor] = {}  # the task's eval_sums (not under a pipeline schedule)
     for _ in range(batches):
         micro_batches = loader.next_step()
         count += step_count(job, task, micro_batches)
@@ -144,5 +150,10 @@ def evaluate(job: Job, task: Task, loader, batches: int) -> dict[str, float]:
             continue
         for mb in micro_batches:
             with _loss_context(job):
-                total += _local(loss_sum(job, task, mb))
-    return task.eval_metrics(sum_over_ranks(_owned(job, total)), count)
+                total += _local(loss_sum(job, task, mb, sums))
+    loss = sum_over_ranks(_owned(job, total))
+    if not sums:
+        return task.eval_metrics(loss, count)
+    # every rank of a data-parallel coordinate holds the same statistics: count each coordinate once
+    owned = {key: sum_over_ranks(_owned(job, value)) for key, value in sorted(sums.items())}
+    return task.eval_metrics(loss, count, owned)  # type: ignore[call-arg]

@@ -1,0 +1,143 @@
+"""A rank-aware, deterministic loader of decoded images whose position is one integer: the token loader's contract
+(data/loader.py) for image classification.
+
+Optimizer step k consumes global samples [k·B, (k+1)·B) of the stream; the sample at stream position p is sample
+order(epoch)[p mod n] of epoch p // n (order.py: a permutation drawn from (seed, epoch), memory-mapped beside the
+data). Data-parallel rank r takes its contiguous share of B/D positions and splits them into micro-batches. The
+position is the count of consumed samples, so a run resumed at another data-parallel degree continues with exactly
+the samples not yet seen, and the augmentation of each sample is drawn from (seed, its position): a resumed run sees
+the same pixels. `workers` threads decode a step's images; with prefetch > 0 the next steps are decoded while the
+current one computes (decoding is a pure function of the position, so prefetching never changes a step).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scaletrain.data.images import ImageShards, Pixels
+
+
+@dataclass
+class ImageBatch:
+    pixels: torch.Tensor  # (b, C, H, W) float32, normalised
+    labels: torch.Tensor  # (b,) int64
+
+
+class ImageLoader:
+    """This data-parallel rank's micro-batches of decoded images, step after step."""
+
+    trained_only = False  # every label is trained
+
+    def __init__(
+        self,
+        shards: ImageShards,
+        pixels: Pixels,
+        global_batch: int,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        workers: int = 2,
+        prefetch: int = 0,
+    ):
+        if global_batch % (micro_batch * dp_size):
+            raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x "
+                             f"data-parallel degree {dp_size}")  # fmt: skip
+        self.shards, self.pixels = shards, pixels
+        self.global_batch, self.micro_batch = global_batch, micro_batch
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed, self.shuffle = seed, shuffle
+        self.consumed_samples = 0
+        self.prefetch = prefetch
+        self._orders: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._decoders = ThreadPoolExecutor(max(1, workers), thread_name_prefix="scaletrain-decode")
+        self._pending: deque[tuple[int, Future]] = deque()
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="scaletrain-data") if prefetch > 0 else None
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        with self._lock:  # the prefetch thread and the step may both ask
+            order = self._orders.get(epoch)
+            if order is None:
+                if len(self._orders) > 2:  # keep only recent epochs mapped
+                    self._orders.clear()
+                order = self._orders[epoch] = self.shards.order(self.seed, epoch, self.shuffle)
+            return order
+
+    def sample_ids(self, start: int, count: int) -> list[int]:
+        """Dataset samples at stream positions [start, start + count), in order."""
+        n = self.shards.num_samples
+        out = []
+        for position in range(start, start + count):
+            epoch, offset = divmod(position, n)
+            out.append(int(self._order(epoch)[offset]))
+        return out
+
+    def _decode(self, position: int, sample: int) -> tuple[torch.Tensor, int]:
+        data, label = self.shards.read(sample)
+        return self.pixels.decode(data, self.seed, position), label
+
+    def _step_at(self, position: int) -> list[ImageBatch]:
+        per_rank = self.global_batch // self.dp_size
+        start = position + self.dp_rank * per_rank
+        samples = self.sample_ids(start, per_rank)
+        decoded = list(self._decoders.map(self._decode, range(start, start + per_rank), samples))
+        batches = []
+        for m in range(0, per_rank, self.micro_batch):
+            chunk = decoded[m : m + self.micro_batch]
+            pixels = torch.stack([p for p, _ in chunk])
+            batches.append(ImageBatch(pixels, torch.tensor([label for _, label in chunk], dtype=torch.int64)))
+        return batches
+
+    def next_step(self) -> list[ImageBatch]:
+        """This rank's micro-batches for the next optimizer step."""
+        position = self.consumed_samples
+        batches = None
+        while self._pending:
+            at, future = self._pending.popleft()
+            if at == position:
+                batches = future.result()
+                break
+            future.cancel()  # the position moved (a resume or an evaluation restart)
+        if batches is None:
+            self._pending.clear()
+            batches = self._step_at(position)
+        self.consumed_samples += self.global_batch
+        if self._ahead is not None:
+            ahead = self._pending[-1][0] if self._pending else position
+            while len(self._pending) < self.prefetch:
+                ahead += self.global_batch
+                self._pending.append((ahead, self._ahead.submit(self._step_at, ahead)))
+        return batches
+
+    def close(self) -> None:
+        """Stop the prefetch and decoding threads (pending reads are dropped)."""
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True, cancel_futures=True)
+        self._decoders.shutdown(wait=True, cancel_futures=True)
+        self.shards.close()
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        self.seed = int(state["seed"])
+        self._orders.clear()
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
