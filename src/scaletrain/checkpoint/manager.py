@@ -8,6 +8,10 @@ metadata and non-tensor values go through restricted readers (safe_load.py).
 
 A checkpoint that fails verification when resume looks at it is set aside (`step_N.corrupt-<time>`), so the
 steps retrained after falling back are saved again instead of being skipped for an existing folder.
+
+Async saves (the default) stay off the training step: async_writer.py stages, writes and commits in the
+background; the training thread waits only for the staging copy before the next optimizer step and for a write
+still running when the next save starts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from scaletrain.checkpoint.async_writer import AsyncWriter
 from scaletrain.checkpoint.manifest import (
     commit,
     list_checkpoints,
@@ -119,14 +125,15 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.info = info  # layout, world size, model: recorded in every manifest
-        self._pending: tuple | None = None  # (future, partial, final, step, due_step)
+        self._pending: tuple[Future, Future | None] | None = None  # (the write, rank 0: its commit)
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None  # the step this process last saved (or started saving)
-        # async saves run collectives in a background thread: give them their own gloo group so they never
-        # interleave with the training collectives on the default group
-        self._group = None
-        if cfg.async_save and dist.is_initialized() and world_size > 1:
-            self._group = dist.new_group(backend="gloo")
+        self._writer: AsyncWriter | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        if cfg.async_save and self.enabled:
+            self._writer = AsyncWriter(cfg.async_writer)
+            if rank == 0:
+                self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt-commit")
         if rank == 0:
             for stale in partial_dirs(root):  # a save that never committed (crash mid-save): never loadable
                 log.warning("checkpoint: removing incomplete %s", stale)
@@ -154,42 +161,62 @@ class CheckpointManager:
         if final.exists() and self.rank == 0:  # an earlier run's: replaced atomically at commit, never skipped
             log.warning("checkpoint: %s exists from an earlier run; it will be replaced by this run's save", final.name)
         partial = self.root / (step_dir_name(step) + ".partial")
-        if self.rank == 0:
-            partial.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        partial.mkdir(parents=True, exist_ok=True)  # every rank: no barrier on the step path
         model_sd, optim_sd, _, _ = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
             (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
         self._last_save_time = time.monotonic()
-        if sync or not self.cfg.async_save:
+        writer = self._writer
+        if sync or writer is None:
             dcp.save(state, checkpoint_id=str(partial))
             self._commit(partial, final, step)
-        else:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
-            self._pending = (future, partial, final, step, step + self.cfg.async_commit_after_steps)
+            return
+        write = writer.write(state, str(partial), optimizer)
+        # rank 0's write ends after every rank's (DCP's coordinator gathers their results first): commit then
+        committed = (
+            self._committer.submit(self._commit_when_written, write, partial, final, step) if self._committer else None
+        )
+        self._pending = (write, committed)
+
+    def _commit_when_written(self, write: Future, partial: Path, final: Path, step: int) -> None:
+        write.result()
+        self._commit_files(partial, final, step)
+
+    @property
+    def staging_wait_s(self) -> float:
+        """Seconds the training thread waited for async saves' staging copies, summed (0 without async saves)."""
+        return self._writer.staging_wait_s if self._writer is not None else 0.0
 
     def poll(self, step: int) -> None:
-        """Commit a pending async save once its step budget passed (same step on every rank: no agreement needed)."""
-        if self._pending is not None and step >= self._pending[4]:
+        """Never blocks: surfaces the error of an async save that failed in the background, once it is done."""
+        if self._pending is not None and all(f is None or f.done() for f in self._pending):
             self.finish_pending()
 
     def finish_pending(self) -> None:
+        """Wait for the async save in flight (staging, write, rank 0's commit); raises its error."""
+        if self._writer is not None:
+            self._writer.wait_staging()
         if self._pending is None:
             return
-        future, partial, final, step, _ = self._pending
+        write, committed = self._pending
         self._pending = None
-        future.result()
-        self._commit(partial, final, step)
+        write.result()
+        if committed is not None:
+            committed.result()
 
     def _commit(self, partial: Path, final: Path, step: int) -> None:
         _barrier()  # every rank's files are written
         if self.rank == 0:
-            manifest = commit(partial, final, {**self.info, "step": step, "time": time.time()})
-            log.info("checkpoint: step %d saved to %s (%.1f MB)", step, final, manifest["bytes"] / 1e6)
-            self._retain()
+            self._commit_files(partial, final, step)
         _barrier()
+
+    def _commit_files(self, partial: Path, final: Path, step: int) -> None:
+        """Rank 0: checksums and manifest, the atomic rename, retention."""
+        manifest = commit(partial, final, {**self.info, "step": step, "time": time.time()})
+        log.info("checkpoint: step %d saved to %s (%.1f MB)", step, final, manifest["bytes"] / 1e6)
+        self._retain()
 
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
@@ -238,4 +265,11 @@ class CheckpointManager:
         return Restored(trainer, int(trainer["step"]), path, manifest.get("layout"), manifest.get("world_size"))
 
     def close(self) -> None:
-        self.finish_pending()
+        try:
+            self.finish_pending()
+        finally:
+            if self._writer is not None:
+                self._writer.close()  # kept: its staging_wait_s stays readable
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None

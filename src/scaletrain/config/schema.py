@@ -324,8 +324,16 @@ class CheckpointConfig(Section):
     save_final: bool = Field(False, description="save after the last step")
     keep: int = Field(3, ge=0, le=MAX_STEPS, description="committed checkpoints kept (newest); 0 keeps all")
     async_save: bool = Field(True, description="write in the background (dcp.async_save) while training goes on")
+    async_writer: Literal["process", "thread"] = Field(
+        "process",
+        description="async saves: DCP writes in a separate process (off this process's GIL) or a background thread",
+    )
     async_commit_after_steps: int = Field(
-        2, ge=1, le=MAX_STEPS, description="an async save is awaited and committed this many steps after it started"
+        2,
+        ge=1,
+        le=MAX_STEPS,
+        description="no longer used: an async save commits in the background as soon as every rank's write ended "
+        "(kept so older configs load)",
     )
     resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
     verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
