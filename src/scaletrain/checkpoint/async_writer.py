@@ -17,6 +17,7 @@ first save does not wait for it either.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -67,18 +68,29 @@ class AsyncWriter:
         info = process_executor._ProcessGroupInitInfo(self._group)  # a broadcast: every rank takes part, now
 
         def spawn() -> None:
-            process_executor._CHECKPOINT_PROCESS = process_executor._AsyncCheckpointProcess(info)
+            writer = process_executor._AsyncCheckpointProcess(info)
+            # the write yields the cores to training (host threads feeding the GPU, CPU ranks): niceness +10
+            pid = writer._save_process.pid
+            if pid is not None:  # started: it answered the start-up handshake
+                os.setpriority(os.PRIO_PROCESS, pid, 10)
+            process_executor._CHECKPOINT_PROCESS = writer
 
         self._owns_process = True
         self._starting = threading.Thread(target=spawn, name="scaletrain-ckpt-writer-start", daemon=True)
         self._starting.start()
 
+    def ready(self) -> float:
+        """Block until the writer process is up (it starts in the background); returns the seconds waited."""
+        t0 = time.perf_counter()
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
+        return time.perf_counter() - t0
+
     def write(self, state: dict, checkpoint_id: str, optimizer: torch.optim.Optimizer) -> Future:
         """Stage `state` in the background and write it to `checkpoint_id`; returns the write's future. The
         optimizer's next step waits for the staging copy."""
-        if self._starting is not None:
-            self._starting.join()  # the first save only, and only if the writer process is still starting
-            self._starting = None
+        self.ready()  # the first save only, and only if the writer process is still starting
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
         response = dcp.async_save(
             state,

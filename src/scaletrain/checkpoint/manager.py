@@ -184,6 +184,10 @@ class CheckpointManager:
         write.result()
         self._commit_files(partial, final, step)
 
+    def writer_ready(self) -> float:
+        """Block until the async writer process is up (it starts when the manager opens); returns seconds waited."""
+        return self._writer.ready() if self._writer is not None else 0.0
+
     @property
     def staging_wait_s(self) -> float:
         """Seconds the training thread waited for async saves' staging copies, summed (0 without async saves)."""
