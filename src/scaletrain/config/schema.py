@@ -378,6 +378,23 @@ class MonitorConfig(Section):
     straggler_pct: float = Field(
         15.0, gt=0, description="diagnosis: straggler when the slowest rank is busy this much above the median"
     )
+    replica_check_interval: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="every N steps check that data-parallel replicas hold bit-identical weights and name a rank "
+        "that does not (one small all-gather); 0: off",
+    )
+    straggler_ratio: float = Field(
+        1.5, gt=1.0, description="a rank this many times slower than the others' median busy time is a straggler..."
+    )
+    straggler_steps: int = Field(
+        20,
+        ge=0,
+        le=MAX_STEPS,
+        description="...once it stays so this many consecutive steps (named in the log, "
+        "metrics and diagnosis; whole logging windows); 0: off",
+    )
     idle_util_pct: float = Field(30.0, gt=0, description="diagnosis: idle GPU below this median utilisation")
     bubble_excess_pct: float = Field(
         10.0, gt=0, description="diagnosis: pipeline bubble this many points above the schedule's prediction"

@@ -19,6 +19,8 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.inference.samples import PromptSampler
 from scaletrain.monitor import StepProgress, configure_logging, log
+from scaletrain.monitor.faults import injected_perturbation
+from scaletrain.monitor.replicas import ReplicaCheck
 from scaletrain.monitor.run_record import begin_run
 from scaletrain.monitor.session import MonitorContext, TrainMonitor, open_sinks
 from scaletrain.parallel.compile import CompileProbe
@@ -281,6 +283,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
+    replicas = ReplicaCheck(cfg.monitor.replica_check_interval, trainer.model.module, injected_perturbation())
     sampler = PromptSampler(
         cfg, trainer.spec, trainer.model.module, rt.rank, rt.device, pipelined=trainer.model.pipeline is not None
     )
@@ -299,6 +302,9 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 # marked right after the metrics' collectives, so the steps a hang message calls done match
                 # metrics.jsonl
                 watchdog.completed(step)
+                if replicas.due(step):
+                    watchdog.beat(step, "replica check")
+                    outputs.write(replicas.check(step).record())
                 if last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
                     watchdog.beat(step, "evaluation")
                     val_metrics = trainer.evaluate()
