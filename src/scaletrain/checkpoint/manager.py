@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from scaletrain.checkpoint.async_writer import AsyncWriter
+from scaletrain.checkpoint.memory import MemorySnapshots
 from scaletrain.checkpoint.manifest import (
     commit,
     list_checkpoints,
@@ -134,6 +135,7 @@ class CheckpointManager:
             self._writer = AsyncWriter(cfg.async_writer)
             if rank == 0:
                 self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt-commit")
+        self.memory = MemorySnapshots(root, cfg.memory_interval_steps) if cfg.memory_interval_steps > 0 else None
         if rank == 0:
             for stale in partial_dirs(root):  # a save that never committed (crash mid-save): never loadable
                 log.warning("checkpoint: removing incomplete %s", stale)
@@ -239,18 +241,54 @@ class CheckpointManager:
             log.warning("checkpoint: skipping %s: %s; set aside as %s", path.name, verdict.problem, aside.name)
         return None
 
-    def restore(self, model, optimizer) -> Restored | None:
-        """Load the newest good checkpoint into model and optimizer (any layout); None when there is none."""
-        step = torch.tensor([-1], dtype=torch.int64)
+    def memory_due(self, step: int) -> bool:
+        return self.memory is not None and self.memory.due(step)
+
+    def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
+        """Keep `step`'s state in host memory (checkpoint.memory_interval_steps; memory.py), synchronously: a copy
+        into tmpfs, no checksums."""
+        assert self.memory is not None
+        partial = self.memory.partial(step)
+        partial.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd, _, _ = _state_dicts(model, optimizer)
+        (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
-            path = self.latest_good()
-            if path is not None:
-                step[0] = int(path.name.split("_")[1])
+            (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+            (partial / "snapshot.json").write_text(json.dumps({**self.info, "step": step}))
+        # every rank's files (the rng files were written first) are on tmpfs once DCP's closing collective returns
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        if self.rank == 0:
+            self.memory.commit(step)
+
+    def _newest(self) -> tuple[int, bool]:
+        """Rank 0: the step to resume from and whether it is a memory snapshot; (-1, False) when there is none.
+        A snapshot newer than the newest disk checkpoint wins, without reading the disk one's checksums."""
+        snap = self.memory.newest() if self.memory is not None else None
+        on_disk = list_checkpoints(self.root)
+        if snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1])):
+            return snap[0], True
+        path = self.latest_good()
+        if path is None:
+            return -1, False
+        return int(path.name.split("_")[1]), False
+
+    def restore(self, model, optimizer) -> Restored | None:
+        """Load the newest good checkpoint, or a newer memory snapshot, into model and optimizer (any layout); None
+        when there is none."""
+        step = torch.tensor([-1, 0], dtype=torch.int64)
+        if self.rank == 0:
+            newest, from_memory = self._newest()
+            step[0], step[1] = newest, int(from_memory)
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast(step, src=0)
-        if step.item() < 0:
+        if step[0].item() < 0:
             return None
-        path = self.root / step_dir_name(int(step.item()))
+        if step[1].item():
+            assert self.memory is not None
+            path = self.memory.dir / step_dir_name(int(step[0].item()))
+            log.info("checkpoint: step %d is in host memory, newer than the disk checkpoints", int(step[0].item()))
+        else:
+            path = self.root / step_dir_name(int(step[0].item()))
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         load_dcp(state, path)
@@ -262,15 +300,18 @@ class CheckpointManager:
             options=_load_options(model),
         )
         trainer = json.loads((path / "trainer.json").read_text())
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / ("snapshot.json" if step[1].item() else "manifest.json")).read_text())
         rng = path / f"rng_rank{self.rank}.json"
         if manifest.get("world_size") == self.world_size and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))
         return Restored(trainer, int(trainer["step"]), path, manifest.get("layout"), manifest.get("world_size"))
 
     def close(self) -> None:
+        """At the end of a run: the async save in flight finishes; the run's memory snapshots are freed."""
         try:
             self.finish_pending()
+            if self.memory is not None and self.rank == 0:
+                self.memory.clear()
         finally:
             if self._writer is not None:
                 self._writer.close()  # kept: its staging_wait_s stays readable

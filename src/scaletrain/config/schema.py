@@ -335,6 +335,13 @@ class CheckpointConfig(Section):
         description="no longer used: an async save commits in the background as soon as every rank's write ended "
         "(kept so older configs load)",
     )
+    memory_interval_steps: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="every N steps each rank keeps its shard in host memory (tmpfs, outlives the ranks); a restart "
+        "resumes from it when newer than the disk checkpoints; 0: off. One node only",
+    )
     resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
     verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
     dir: str | None = Field(None, description="where checkpoints go; default: the run folder's checkpoints/")
@@ -537,6 +544,15 @@ class JobConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _memory_snapshots_on_one_node(self) -> JobConfig:
+        if self.checkpoint.memory_interval_steps and self.launch.nnodes > 1:
+            raise ValueError(
+                f"checkpoint.memory_interval_steps: host-memory snapshots work on one node (launch.nnodes="
+                f"{self.launch.nnodes}): their copy on a peer node is not built yet; set it to 0"
+            )
+        return self
 
     def run_dir(self) -> Path:
         """The run's folder, run.output_dir/run.name: config, metrics, logs, checkpoints (relative to the cwd when

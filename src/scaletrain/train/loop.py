@@ -329,6 +329,8 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                     (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0) or minutes_due
                 ):
                     ckpt.save(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
+                elif not last and ckpt.memory_due(step):
+                    ckpt.snapshot(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
                 ckpt.poll(step)
                 mon.step_end(step)
             agreement.close()
