@@ -487,7 +487,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--reps and --steps-per-save: need at least 1")
     if a.global_batch % 2:
         ap.error(f"--global-batch {a.global_batch} must be a multiple of 2 (the ranks)")
-    if a.kill_at <= a.interval + 2:  # an async save commits 2 steps after it starts (checkpoint default)
+    if a.kill_at <= a.interval + 2:  # leave the first async save a few steps to be written and committed
         ap.error(f"--kill-at {a.kill_at}: must be past the first committed checkpoint, > --interval + 2")
     return a
 

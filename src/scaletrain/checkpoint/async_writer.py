@@ -17,7 +17,6 @@ first save does not wait for it either.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -68,12 +67,8 @@ class AsyncWriter:
         info = process_executor._ProcessGroupInitInfo(self._group)  # a broadcast: every rank takes part, now
 
         def spawn() -> None:
-            writer = process_executor._AsyncCheckpointProcess(info)
-            # the write yields the cores to training (host threads feeding the GPU, CPU ranks): niceness +10
-            pid = writer._save_process.pid
-            if pid is not None:  # started: it answered the start-up handshake
-                os.setpriority(os.PRIO_PROCESS, pid, 10)
-            process_executor._CHECKPOINT_PROCESS = writer
+            # default priority: a niced writer (tried: +10) fell 4+ steps behind on a loaded host, late to be durable
+            process_executor._CHECKPOINT_PROCESS = process_executor._AsyncCheckpointProcess(info)
 
         self._owns_process = True
         self._starting = threading.Thread(target=spawn, name="scaletrain-ckpt-writer-start", daemon=True)

@@ -126,7 +126,8 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.info = info  # layout, world size, model: recorded in every manifest
-        self._pending: tuple[Future, Future | None] | None = None  # (the write, rank 0: its commit)
+        # (the write, rank 0: its commit, the step by which it must be done: checkpoint.async_commit_after_steps)
+        self._pending: tuple[Future, Future | None, int] | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None  # the step this process last saved (or started saving)
         self._writer: AsyncWriter | None = None
@@ -180,7 +181,7 @@ class CheckpointManager:
         committed = (
             self._committer.submit(self._commit_when_written, write, partial, final, step) if self._committer else None
         )
-        self._pending = (write, committed)
+        self._pending = (write, committed, step + self.cfg.async_commit_after_steps)
 
     def _commit_when_written(self, write: Future, partial: Path, final: Path, step: int) -> None:
         write.result()
@@ -196,8 +197,13 @@ class CheckpointManager:
         return self._writer.staging_wait_s if self._writer is not None else 0.0
 
     def poll(self, step: int) -> None:
-        """Never blocks: surfaces the error of an async save that failed in the background, once it is done."""
-        if self._pending is not None and all(f is None or f.done() for f in self._pending):
+        """After each step: settle an async save that is done (raising its error), and wait for one still running
+        checkpoint.async_commit_after_steps steps after it started (a bound on what a failure can lose); the same
+        step on every rank."""
+        if self._pending is None:
+            return
+        write, committed, due = self._pending
+        if step >= due or (write.done() and (committed is None or committed.done())):
             self.finish_pending()
 
     def finish_pending(self) -> None:
@@ -206,7 +212,7 @@ class CheckpointManager:
             self._writer.wait_staging()
         if self._pending is None:
             return
-        write, committed = self._pending
+        write, committed, _ = self._pending
         self._pending = None
         write.result()
         if committed is not None:

@@ -332,8 +332,8 @@ class CheckpointConfig(Section):
         2,
         ge=1,
         le=MAX_STEPS,
-        description="no longer used: an async save commits in the background as soon as every rank's write ended "
-        "(kept so older configs load)",
+        description="an async save commits in the background once written; one still being written this many "
+        "steps after it started is waited for (a bound on what a failure can lose)",
     )
     memory_interval_steps: int = Field(
         0,
