@@ -147,7 +147,8 @@ def test_checkpoint_benchmark_runs(tmp_path):
         return [float(c) for c in cells if c.replace(".", "", 1).isdigit()]
 
     stall, throughput = [row for row in lines if row.startswith(f"| {tiny} |")]  # one row in each table
-    assert len(numbers(stall)) == 9 and all(x > 0 for x in numbers(stall)), stall
+    got = numbers(stall)  # staging and write waits may round to 0 ms: the async write is off the step
+    assert len(got) == 11 and all(x >= 0 for x in got) and got[1] > 0 and got[5] > 0, stall
     assert len(numbers(throughput)) == 7 and all(x > 0 for x in numbers(throughput)), throughput
     restore = next(row for row in lines if row.startswith("| restore (sha256 verify + DCP load) |"))
     total = next(row for row in lines if row.startswith("| **total**"))

@@ -8,6 +8,10 @@ metadata and non-tensor values go through restricted readers (safe_load.py).
 
 A checkpoint that fails verification when resume looks at it is set aside (`step_N.corrupt-<time>`), so the
 steps retrained after falling back are saved again instead of being skipped for an existing folder.
+
+Async saves (the default) stay off the training step: async_writer.py stages, writes and commits in the
+background; the training thread waits only for the staging copy before the next optimizer step and for a write
+still running when the next save starts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -26,6 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from scaletrain.checkpoint.async_writer import AsyncWriter
+from scaletrain.checkpoint.memory import MemorySnapshots
 from scaletrain.checkpoint.manifest import (
     commit,
     list_checkpoints,
@@ -119,14 +126,17 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.info = info  # layout, world size, model: recorded in every manifest
-        self._pending: tuple | None = None  # (future, partial, final, step, due_step)
+        # (the write, rank 0: its commit, the step by which it must be done: checkpoint.async_commit_after_steps)
+        self._pending: tuple[Future, Future | None, int] | None = None
         self._last_save_time = time.monotonic()
         self._saved_step: int | None = None  # the step this process last saved (or started saving)
-        # async saves run collectives in a background thread: give them their own gloo group so they never
-        # interleave with the training collectives on the default group
-        self._group = None
-        if cfg.async_save and dist.is_initialized() and world_size > 1:
-            self._group = dist.new_group(backend="gloo")
+        self._writer: AsyncWriter | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        if cfg.async_save and self.enabled:
+            self._writer = AsyncWriter(cfg.async_writer)
+            if rank == 0:
+                self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt-commit")
+        self.memory = MemorySnapshots(root, cfg.memory_interval_steps) if cfg.memory_interval_steps > 0 else None
         if rank == 0:
             for stale in partial_dirs(root):  # a save that never committed (crash mid-save): never loadable
                 log.warning("checkpoint: removing incomplete %s", stale)
@@ -154,42 +164,71 @@ class CheckpointManager:
         if final.exists() and self.rank == 0:  # an earlier run's: replaced atomically at commit, never skipped
             log.warning("checkpoint: %s exists from an earlier run; it will be replaced by this run's save", final.name)
         partial = self.root / (step_dir_name(step) + ".partial")
-        if self.rank == 0:
-            partial.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        partial.mkdir(parents=True, exist_ok=True)  # every rank: no barrier on the step path
         model_sd, optim_sd, _, _ = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
             (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
         self._last_save_time = time.monotonic()
-        if sync or not self.cfg.async_save:
+        writer = self._writer
+        if sync or writer is None:
             dcp.save(state, checkpoint_id=str(partial))
             self._commit(partial, final, step)
-        else:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
-            self._pending = (future, partial, final, step, step + self.cfg.async_commit_after_steps)
+            return
+        write = writer.write(state, str(partial), optimizer)
+        # rank 0's write ends after every rank's (DCP's coordinator gathers their results first): commit then
+        committed = (
+            self._committer.submit(self._commit_when_written, write, partial, final, step) if self._committer else None
+        )
+        self._pending = (write, committed, step + self.cfg.async_commit_after_steps)
+
+    def _commit_when_written(self, write: Future, partial: Path, final: Path, step: int) -> None:
+        write.result()
+        self._commit_files(partial, final, step)
+
+    def writer_ready(self) -> float:
+        """Block until the async writer process is up (it starts when the manager opens); returns seconds waited."""
+        return self._writer.ready() if self._writer is not None else 0.0
+
+    @property
+    def staging_wait_s(self) -> float:
+        """Seconds the training thread waited for async saves' staging copies, summed (0 without async saves)."""
+        return self._writer.staging_wait_s if self._writer is not None else 0.0
 
     def poll(self, step: int) -> None:
-        """Commit a pending async save once its step budget passed (same step on every rank: no agreement needed)."""
-        if self._pending is not None and step >= self._pending[4]:
+        """After each step: settle an async save that is done (raising its error), and wait for one still running
+        checkpoint.async_commit_after_steps steps after it started (a bound on what a failure can lose); the same
+        step on every rank."""
+        if self._pending is None:
+            return
+        write, committed, due = self._pending
+        if step >= due or (write.done() and (committed is None or committed.done())):
             self.finish_pending()
 
     def finish_pending(self) -> None:
+        """Wait for the async save in flight (staging, write, rank 0's commit); raises its error."""
+        if self._writer is not None:
+            self._writer.wait_staging()
         if self._pending is None:
             return
-        future, partial, final, step, _ = self._pending
+        write, committed, _ = self._pending
         self._pending = None
-        future.result()
-        self._commit(partial, final, step)
+        write.result()
+        if committed is not None:
+            committed.result()
 
     def _commit(self, partial: Path, final: Path, step: int) -> None:
         _barrier()  # every rank's files are written
         if self.rank == 0:
-            manifest = commit(partial, final, {**self.info, "step": step, "time": time.time()})
-            log.info("checkpoint: step %d saved to %s (%.1f MB)", step, final, manifest["bytes"] / 1e6)
-            self._retain()
+            self._commit_files(partial, final, step)
         _barrier()
+
+    def _commit_files(self, partial: Path, final: Path, step: int) -> None:
+        """Rank 0: checksums and manifest, the atomic rename, retention."""
+        manifest = commit(partial, final, {**self.info, "step": step, "time": time.time()})
+        log.info("checkpoint: step %d saved to %s (%.1f MB)", step, final, manifest["bytes"] / 1e6)
+        self._retain()
 
     def _retain(self) -> None:
         if self.cfg.keep <= 0:
@@ -208,18 +247,54 @@ class CheckpointManager:
             log.warning("checkpoint: skipping %s: %s; set aside as %s", path.name, verdict.problem, aside.name)
         return None
 
-    def restore(self, model, optimizer) -> Restored | None:
-        """Load the newest good checkpoint into model and optimizer (any layout); None when there is none."""
-        step = torch.tensor([-1], dtype=torch.int64)
+    def memory_due(self, step: int) -> bool:
+        return self.memory is not None and self.memory.due(step)
+
+    def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
+        """Keep `step`'s state in host memory (checkpoint.memory_interval_steps; memory.py), synchronously: a copy
+        into tmpfs, no checksums."""
+        assert self.memory is not None
+        partial = self.memory.partial(step)
+        partial.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd, _, _ = _state_dicts(model, optimizer)
+        (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
-            path = self.latest_good()
-            if path is not None:
-                step[0] = int(path.name.split("_")[1])
+            (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+            (partial / "snapshot.json").write_text(json.dumps({**self.info, "step": step}))
+        # every rank's files (the rng files were written first) are on tmpfs once DCP's closing collective returns
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+        if self.rank == 0:
+            self.memory.commit(step)
+
+    def _newest(self) -> tuple[int, bool]:
+        """Rank 0: the step to resume from and whether it is a memory snapshot; (-1, False) when there is none.
+        A snapshot newer than the newest disk checkpoint wins, without reading the disk one's checksums."""
+        snap = self.memory.newest() if self.memory is not None else None
+        on_disk = list_checkpoints(self.root)
+        if snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1])):
+            return snap[0], True
+        path = self.latest_good()
+        if path is None:
+            return -1, False
+        return int(path.name.split("_")[1]), False
+
+    def restore(self, model, optimizer) -> Restored | None:
+        """Load the newest good checkpoint, or a newer memory snapshot, into model and optimizer (any layout); None
+        when there is none."""
+        step = torch.tensor([-1, 0], dtype=torch.int64)
+        if self.rank == 0:
+            newest, from_memory = self._newest()
+            step[0], step[1] = newest, int(from_memory)
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast(step, src=0)
-        if step.item() < 0:
+        if step[0].item() < 0:
             return None
-        path = self.root / step_dir_name(int(step.item()))
+        if step[1].item():
+            assert self.memory is not None
+            path = self.memory.dir / step_dir_name(int(step[0].item()))
+            log.info("checkpoint: step %d is in host memory, newer than the disk checkpoints", int(step[0].item()))
+        else:
+            path = self.root / step_dir_name(int(step[0].item()))
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         load_dcp(state, path)
@@ -231,11 +306,21 @@ class CheckpointManager:
             options=_load_options(model),
         )
         trainer = json.loads((path / "trainer.json").read_text())
-        manifest = json.loads((path / "manifest.json").read_text())
+        manifest = json.loads((path / ("snapshot.json" if step[1].item() else "manifest.json")).read_text())
         rng = path / f"rng_rank{self.rank}.json"
         if manifest.get("world_size") == self.world_size and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))
         return Restored(trainer, int(trainer["step"]), path, manifest.get("layout"), manifest.get("world_size"))
 
     def close(self) -> None:
-        self.finish_pending()
+        """At the end of a run: the async save in flight finishes; the run's memory snapshots are freed."""
+        try:
+            self.finish_pending()
+            if self.memory is not None and self.rank == 0:
+                self.memory.clear()
+        finally:
+            if self._writer is not None:
+                self._writer.close()  # kept: its staging_wait_s stays readable
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None

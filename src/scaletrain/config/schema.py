@@ -328,8 +328,23 @@ class CheckpointConfig(Section):
     save_final: bool = Field(False, description="save after the last step")
     keep: int = Field(3, ge=0, le=MAX_STEPS, description="committed checkpoints kept (newest); 0 keeps all")
     async_save: bool = Field(True, description="write in the background (dcp.async_save) while training goes on")
+    async_writer: Literal["process", "thread"] = Field(
+        "process",
+        description="async saves: DCP writes in a separate process (off this process's GIL) or a background thread",
+    )
     async_commit_after_steps: int = Field(
-        2, ge=1, le=MAX_STEPS, description="an async save is awaited and committed this many steps after it started"
+        2,
+        ge=1,
+        le=MAX_STEPS,
+        description="an async save commits in the background once written; one still being written this many "
+        "steps after it started is waited for (a bound on what a failure can lose)",
+    )
+    memory_interval_steps: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="every N steps each rank keeps its shard in host memory (tmpfs, outlives the ranks); a restart "
+        "resumes from it when newer than the disk checkpoints; 0: off. One node only",
     )
     resume: bool = Field(True, description="start from the newest complete checkpoint in dir when there is one")
     verify_on_resume: bool = Field(True, description="check sha256 of every file before resuming from it")
@@ -393,6 +408,23 @@ class MonitorConfig(Section):
     comm_pct: float = Field(30.0, gt=0, description="diagnosis: communication bound above this share of a step")
     straggler_pct: float = Field(
         15.0, gt=0, description="diagnosis: straggler when the slowest rank is busy this much above the median"
+    )
+    replica_check_interval: int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="every N steps check that data-parallel replicas hold bit-identical weights and name a rank "
+        "that does not (one small all-gather); 0: off",
+    )
+    straggler_ratio: float = Field(
+        1.5, gt=1.0, description="a rank this many times slower than the others' median busy time is a straggler..."
+    )
+    straggler_steps: int = Field(
+        20,
+        ge=0,
+        le=MAX_STEPS,
+        description="...once it stays so this many consecutive steps (named in the log, "
+        "metrics and diagnosis; whole logging windows); 0: off",
     )
     idle_util_pct: float = Field(30.0, gt=0, description="diagnosis: idle GPU below this median utilisation")
     bubble_excess_pct: float = Field(
@@ -546,6 +578,15 @@ class JobConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _memory_snapshots_on_one_node(self) -> JobConfig:
+        if self.checkpoint.memory_interval_steps and self.launch.nnodes > 1:
+            raise ValueError(
+                f"checkpoint.memory_interval_steps: host-memory snapshots work on one node (launch.nnodes="
+                f"{self.launch.nnodes}): their copy on a peer node is not built yet; set it to 0"
+            )
+        return self
 
     def run_dir(self) -> Path:
         """The run's folder, run.output_dir/run.name: config, metrics, logs, checkpoints (relative to the cwd when

@@ -48,6 +48,18 @@ def _med(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def persistent_stragglers(records: list[dict]) -> dict[int, tuple[int, int, float]]:
+    """rank -> (first step, last step, largest ratio) over the records where the run's StragglerWatch named it
+    (stragglers.py: monitor.straggler_ratio for monitor.straggler_steps steps)."""
+    out: dict[int, tuple[int, int, float]] = {}
+    for r in records:
+        for rank, since in zip(r.get("stragglers") or [], r.get("straggler_since_step") or []):
+            ratio = (r.get("straggler_ratios") or [0.0] * (rank + 1))[rank]
+            first, _, worst = out.get(rank, (since, 0, 0.0))
+            out[rank] = (min(first, since), int(r["step"]), max(worst, ratio))
+    return out
+
+
 def diagnose(
     records: list[dict],
     th: Thresholds | None = None,
@@ -81,18 +93,29 @@ def diagnose(
             med = statistics.median(busy)
             slow = max(range(n), key=lambda i: busy[i])
             spread = (busy[slow] - med) / med if med > 0 else 0.0
-            if spread * 100 > th.straggler_pct and busy[slow] - med > 1e-3:
+            streaks = persistent_stragglers(records)
+            if (spread * 100 > th.straggler_pct and busy[slow] - med > 1e-3) or streaks:
+                named = sorted(streaks) or [slow]
+                evidence = (
+                    f"rank {slow} is busy {busy[slow] * 1e3:.1f} ms per step against a median of {med * 1e3:.1f} ms "
+                    f"(+{spread:.0%}; threshold {th.straggler_pct:g} %); the other ranks wait for it in the gradient "
+                    f"collectives"
+                )
+                if streaks:
+                    evidence += "; persistently slow: " + ", ".join(
+                        f"rank {r} {ratio:.2f}x the others at steps {first}-{last}"
+                        for r, (first, last, ratio) in sorted(streaks.items())
+                    )
+                who = ", ".join(str(r) for r in named)
                 out.append(
                     Finding(
                         "straggler",
                         "bottleneck",
-                        f"Straggling rank: rank {slow}",
-                        f"rank {slow} is busy {busy[slow] * 1e3:.1f} ms per step against a median of "
-                        f"{med * 1e3:.1f} ms (+{spread:.0%}; threshold {th.straggler_pct:g} %); the other ranks wait "
-                        f"for it in the gradient collectives",
-                        f"check rank {slow}'s device and host (clocks, thermal throttling, other processes, a slower "
+                        f"Straggling rank: rank {who}",
+                        evidence,
+                        f"check rank {who}'s device and host (clocks, thermal throttling, other processes, a slower "
                         f"link or NUMA placement), or replace that node",
-                        [slow],
+                        named,
                     )
                 )
             comm = _med(r["comm_s_per_rank"][slow] / r["step_time_s"] for r in rows)
@@ -144,6 +167,23 @@ def diagnose(
                         f"(train.micro_batch_size), or turn activation checkpointing off",
                     )
                 )
+
+    diverged = [r for r in records if r.get("replica_check") == "diverged"]
+    if diverged:
+        ranks = sorted({rank for r in diverged for rank in r.get("diverging_ranks") or []})
+        who = ", ".join(map(str, ranks))
+        out.append(
+            Finding(
+                "replica_divergence",
+                "bottleneck",
+                f"Replicas diverged: rank {who}",
+                f"rank {who} held weights that differ from their data-parallel replicas' at "
+                f"{len(diverged)} check(s), first at step {diverged[0]['step']} (monitor.replica_check_interval)",
+                "a silent error (device memory, a faulty core) or a non-deterministic rank: check that rank's "
+                "device, replace the node and resume from a checkpoint saved before the first divergence",
+                ranks,
+            )
+        )
 
     for rank, rs in sorted((samples or {}).items()):
         gpu = [s["util_pct"] for s in rs if s.get("kind") == "gpu"]

@@ -23,6 +23,7 @@ from scaletrain.monitor.faults import injected_delays
 from scaletrain.monitor.metrics import read_jsonl
 from scaletrain.monitor.progress import log
 from scaletrain.monitor.run_record import RunRecord, from_rank0
+from scaletrain.monitor.stragglers import StragglerWatch
 from scaletrain.monitor.throughput import peak_flops
 from scaletrain.monitor.timing import NULL_TIMER, StepTimer, combine_ranks, gather_windows
 
@@ -96,6 +97,7 @@ class TrainMonitor:
             log.warning("MFU —: %s", self.peak_source)
         self.flops_per_token = ctx.flops_per_token
         self.pp_bubble_predicted = ctx.pp_bubble
+        self.stragglers = StragglerWatch(cfg.straggler_ratio, cfg.straggler_steps)
         self.sampler = self._open_sampler(ctx) if cfg.sample_interval_s > 0 else None
         self.profiler = self._open_profiler(ctx) if cfg.profile_at_step else None
         if ctx.rank == 0:
@@ -159,7 +161,9 @@ class TrainMonitor:
             record["mfu"] = rate * self.flops_per_token / self.peak
         if isinstance(self.timer, StepTimer):  # enabled: the breakdown is on
             rows = gather_windows(self.timer.window(), self.device)
+            window_steps = int(rows[0]["steps"])
             record.update(combine_ranks(rows, record["step_time_s"]))
+            self.stragglers.observe(record, window_steps)
             if self.pp_bubble_predicted is not None:
                 record["pp_bubble_predicted"] = self.pp_bubble_predicted
         return record

@@ -19,6 +19,8 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.inference.samples import PromptSampler
 from scaletrain.monitor import StepProgress, configure_logging, log
+from scaletrain.monitor.faults import injected_perturbation
+from scaletrain.monitor.replicas import ReplicaCheck
 from scaletrain.monitor.run_record import begin_run
 from scaletrain.monitor.session import MonitorContext, TrainMonitor
 from scaletrain.monitor.sinks import RunEnd, TrackedRun, open_sinks
@@ -287,6 +289,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
+    replicas = ReplicaCheck(cfg.monitor.replica_check_interval, trainer.model.module, injected_perturbation())
     sampler = PromptSampler(
         cfg, trainer.spec, trainer.model.module, rt.rank, rt.device, pipelined=trainer.model.pipeline is not None
     )
@@ -305,6 +308,9 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 # marked right after the metrics' collectives, so the steps a hang message calls done match
                 # metrics.jsonl
                 watchdog.completed(step)
+                if replicas.due(step):
+                    watchdog.beat(step, "replica check")
+                    outputs.write(replicas.check(step).record())
                 if last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0):
                     watchdog.beat(step, "evaluation")
                     val_metrics = trainer.evaluate()
@@ -329,6 +335,8 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                     (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0) or minutes_due
                 ):
                     ckpt.save(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
+                elif not last and ckpt.memory_due(step):
+                    ckpt.snapshot(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
                 ckpt.poll(step)
                 mon.step_end(step)
             agreement.close()

@@ -1,0 +1,104 @@
+"""In-memory snapshots (checkpoint.memory_interval_steps): a rank SIGKILLed right after a snapshot, long after the
+last disk checkpoint, resumes from host memory and loses no step — the final weights and every step's loss equal an
+unkilled run's, bit for bit — and a finished run frees the snapshot."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import losses, run_cli
+from scaletrain.checkpoint.export import load_full_model_state
+from scaletrain.checkpoint.memory import snapshot_root
+from scaletrain.config import ConfigError, load_config
+from scaletrain.monitor.faults import ENV as FAULTS
+
+STEPS = 24
+JOB = [
+    f"train.steps={STEPS}",
+    "monitor.log_interval=1",
+    "train.global_batch_size=16",
+    "data.seq_len=64",
+    "train.eval_batches=1",
+    "train.eval_interval=0",
+    "data.max_bytes=300000",
+    "train.warmup_steps=5",
+    "monitor.progress=false",
+    "monitor.tensorboard=false",
+    "monitor.sample_interval_s=0",
+    "checkpoint.interval_steps=20",  # no disk checkpoint before the kill (steps 12-17)
+    "checkpoint.memory_interval_steps=3",
+    "checkpoint.save_final=true",
+]
+SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
+
+
+def _workers(agent_pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == agent_pid and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def _snapshot_step(run: Path) -> int:
+    try:
+        return json.loads((run / "checkpoints" / "memory.json").read_text())["step"]
+    except (OSError, ValueError):
+        return 0
+
+
+def test_memory_snapshots_refuse_several_nodes_in_one_line():
+    with pytest.raises(ConfigError, match="checkpoint.memory_interval_steps") as e:
+        load_config(None, ["checkpoint.memory_interval_steps=5", "launch.nnodes=2"])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow  # an unkilled launch, and a launch killed and restarted
+def test_kill_right_after_a_memory_snapshot_resumes_from_memory_losing_no_step(tmp_path):
+    run_cli(["train", *JOB, "run.name=clean"], tmp_path, env=SLOW_STEPS)
+    ref = tmp_path / "runs" / "clean"
+    assert not snapshot_root(ref / "checkpoints").exists()  # a finished run frees its snapshot
+    assert not (ref / "checkpoints" / "memory.json").exists()
+
+    run = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=killed", "launch.max_restarts=1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **SLOW_STEPS},
+    )
+    deadline = time.monotonic() + 300
+    while _snapshot_step(run) < 12:  # past the first snapshots, far from the disk checkpoint of step 20
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        time.sleep(0.01)
+    victims = _workers(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    newest = _snapshot_step(run)  # no snapshot commits without the killed rank
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert 12 <= newest < 20 and f"checkpoint: step {newest} is in host memory" in err, err[-3000:]
+    assert f"at step {newest} (saved by" in err, err[-3000:]  # resumed from the snapshot: no step lost
+    got = load_full_model_state(run / "checkpoints" / f"step_{STEPS:08d}")[0]
+    want = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")[0]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert losses(run) == losses(ref)
+    assert not snapshot_root(run / "checkpoints").exists()
