@@ -186,6 +186,7 @@ class _LogWindow:
             "step_time_s": step_time,
             "tokens_per_s": tps,
         }
+        record.update(trainer.job.step_metrics)  # the model's own (an MoE model's expert load)
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
         record = outputs.monitor.on_log(record)  # MFU, rank-aggregated breakdown (all ranks take part)
