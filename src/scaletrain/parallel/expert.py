@@ -101,9 +101,9 @@ def shard_experts(layers: list[nn.Module], expert_mesh, divide_by: int, **fsdp_k
     for layer in layers:
         unit = fully_shard(cast(Any, layer).experts, mesh=expert_mesh, **fsdp_kwargs)
         unit.set_gradient_divide_factor(float(divide_by))
-        # a divide factor reduces by NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not on one rank: there
-        # torch 2.13 divides the copied gradient by the factor and then again after it (_fsdp_collectives.py)
-        if expert_mesh.device_type != "cuda" and expert_mesh.size() > 1:
+        # a divide factor reduces by NCCL's PREMUL_SUM, which gloo lacks: sum, then divide. Not when the shard dim
+        # is one rank: torch 2.13 then divides the copied gradient by the factor and again after (_fsdp_collectives)
+        if expert_mesh.device_type != "cuda" and expert_mesh.size(expert_mesh.ndim - 1) > 1:  # the shard dim
             unit.set_force_sum_reduction_for_comms(True)
 
 
