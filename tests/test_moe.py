@@ -212,3 +212,14 @@ def test_moe_benchmark_runs(tmp_path):
     assert "error" not in rows["fsdp2"] and "error" not in rows["ep2_fsdp2"], rows
     assert rows["fsdp2"]["a2a_bytes_per_step"] == 0 < rows["ep2_fsdp2"]["a2a_bytes_per_step"]
     assert "| ep2_fsdp2 |" in proc.stdout
+
+
+def test_diagnosis_names_the_overloaded_expert():
+    from scaletrain.monitor.diagnosis import diagnose
+
+    steady = {"moe_busiest_layer": 1.0, "moe_busiest_expert": 7.0, "moe_dropped_frac": 0.0}
+    skewed = [{"step": i, "moe_imbalance": 4.0, **steady} for i in range(1, 11)]
+    found = {f.rule: f for f in diagnose(skewed)}
+    assert "expert 7 of layer 1 gets 4.0x its share" in found["expert_imbalance"].title
+    even = [{**r, "moe_imbalance": 1.2} for r in skewed]
+    assert "expert_imbalance" not in {f.rule for f in diagnose(even)}
