@@ -87,6 +87,7 @@ class Layout:
     precision: str = "fp32"  # compute dtype name (config/precisions.py)
     schedule: str = "none"  # pipeline schedule ("none" when pp == 1)
     virtual_stages: int = 1  # pipeline stages per rank (interleaved and V schedules)
+    ep: int = 1  # expert-parallel degree: carved from the dp_shard ranks (not a factor of the world size)
 
     @classmethod
     def from_degrees(cls, parallel: ParallelConfig, world_size: int) -> Layout:
@@ -108,7 +109,7 @@ class Layout:
                 f"{parallel.tp} x {parallel.pp} x {parallel.cp} = {fixed * dp_shard}, but the world size is "
                 f"{world_size}; set parallel.dp_shard=-1 to fill it"
             )
-        return cls(parallel.dp_replicate, dp_shard, parallel.tp, parallel.pp, parallel.cp)
+        return cls(parallel.dp_replicate, dp_shard, parallel.tp, parallel.pp, parallel.cp, ep=parallel.ep)
 
     @property
     def world_size(self) -> int:
@@ -141,7 +142,7 @@ class Layout:
 
     def describe_mesh(self) -> str:
         """The degrees as the trainer logs them, e.g. 'fsdp (dp_shard=4)', 'hsdp (dp_replicate=2 x dp_shard=2)'."""
-        used = [f"{k}={v}" for k, v in self.sizes().items() if v > 1]
+        used = [f"{k}={v}" for k, v in self.sizes().items() if v > 1] + ([f"ep={self.ep}"] if self.ep > 1 else [])
         if self.mode is DataParallelMode.SINGLE:  # no data parallelism: name only the model-parallel dims
             return " x ".join(used) if used else "single (one rank)"
         return f"{self.mode} ({' x '.join(used)})"
@@ -160,6 +161,8 @@ class Layout:
             parts.append(f"tp {self.tp}")
         if self.cp > 1:
             parts.append(f"cp {self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"pp {self.pp} {self.schedule}{v}")

@@ -172,6 +172,14 @@ class ParallelConfig(Section):
     cp: int = Field(
         1, ge=1, le=MAX_RANKS, description="context-parallel degree: each sequence split over cp ranks (head+tail)"
     )
+    ep: int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description="expert-parallel degree of a mixture-of-experts model: its routed experts split over ep ranks "
+        "carved from the dp_shard ranks, tokens sent to them by all-to-all (parallel/expert.py); the expert "
+        "weights are sharded by FSDP over the dp_shard / ep ranks left",
+    )
     cp_method: Literal["auto", "allgather", "ring"] = Field(
         "auto",
         description="cp > 1: allgather gathers K and V of the whole sequence on every rank (any device, gloo too); "

@@ -263,6 +263,22 @@ class ModelSpec(ABC):
             f"parallel.cp: the {self.family} family's attention cannot be split over ranks; use parallel.cp=1"
         )
 
+    # -- mixture of experts ---------------------------------------------------------------------------------
+    @property
+    def n_experts(self) -> int | None:
+        """Routed experts per MoE block; None for a dense model (expert parallelism refuses it)."""
+        return None
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The MoE layers of `model` (or a stage of it) expert parallelism lays out (parallel/expert.py): each
+        has `experts` (stacked weights, dim 0 the expert) and a `dispatcher` attribute."""
+        return []
+
+    def after_optimizer_step(self, modules: list[nn.Module]) -> dict[str, float]:
+        """Run on every rank after each optimizer step over this rank's model parts (e.g. an MoE router's bias
+        update); returns metrics of the step for the log ({}: none)."""
+        return {}
+
     # -- numbers --------------------------------------------------------------------------------------------
     def shape(self) -> DecoderShape | None:
         """The decoder shape the planner models for this model; None for a model the planner cannot model (which

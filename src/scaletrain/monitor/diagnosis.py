@@ -19,6 +19,7 @@ class Thresholds:
     idle_util_pct: float = 30.0
     bubble_excess_pct: float = 10.0
     memory_headroom_pct: float = 50.0
+    moe_imbalance: float = 2.0  # busiest expert's load over its fair share (an MoE model's moe_imbalance)
 
 
 @dataclass
@@ -200,6 +201,24 @@ def diagnose(
                     [rank],
                 )
             )
+
+    moe = [r for r in records if "moe_imbalance" in r]
+    late = moe[len(moe) // 2 :]  # after the router and its balancing had half the run to settle
+    if late and _med(r["moe_imbalance"] for r in late) > th.moe_imbalance:
+        worst = max(late[-5:], key=lambda r: r["moe_imbalance"])
+        expert, layer = int(worst["moe_busiest_expert"]), int(worst["moe_busiest_layer"])
+        out.append(
+            Finding(
+                "expert_imbalance",
+                "warning",
+                f"Expert load imbalance: expert {expert} of layer {layer} gets {worst['moe_imbalance']:.1f}x its share",
+                f"median busiest-expert load {_med(r['moe_imbalance'] for r in late):.2f}x the mean over the last "
+                f"{len(late)} logged steps (threshold {th.moe_imbalance:g}x); dropped "
+                f"{_med(r.get('moe_dropped_frac', 0.0) for r in late):.1%} of routed tokens",
+                "raise model.bias_update_rate (aux-loss-free balancing) or set model.aux_loss_coef; under "
+                "parallel.ep the busiest expert's rank sets the step time",
+            )
+        )
 
     if top_ops and top_ops.get("ops"):
         ops = top_ops["ops"][:5]

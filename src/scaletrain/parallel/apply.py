@@ -16,7 +16,7 @@ sections for how each parallelism runs, and the model's spec. The trainer builds
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -66,8 +66,11 @@ class ParallelModel:
     pipeline: Pipeline | None = None  # the schedule that runs this rank's stages (pp > 1)
     loss_parallel: bool = False  # logits come vocabulary-sharded: loss and backward under loss_parallel()
     context: ContextParallel | None = None  # cp > 1: this rank's part of every sequence (inputs/targets sharded)
-    # run after every optimizer step (fp8 under FSDP2: precompute the float8 weight scales for the next all-gather)
+    # run after every optimizer step (fp8 under FSDP2: precompute the float8 weight scales for the next all-gather;
+    # the spec's own step hook, e.g. an MoE router's bias update)
     after_optimizer_step: Callable[[], None] | None = None
+    # metrics of the last optimizer step the spec's hook returned (an MoE model's expert load), for the log
+    step_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def stages(self) -> list[nn.Module]:
@@ -115,6 +118,10 @@ def _parallelize(
     layout, parallel, precision, spec = plan.layout, plan.parallel, plan.precision, plan.spec
     shard, tp_styles = (plan.shard, plan.tp_styles) if whole_model else (None, None)
     loss_parallel = False
+    if layout.ep > 1 and spec is not None:
+        from scaletrain.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, spec, mesh["ep"])
     if layout.tp > 1:
         loss_parallel = (
             parallel.loss_parallel
@@ -181,8 +188,23 @@ def _apply_float8(
     return precompute_float8_scales if uses_float8_all_gather(model) else None
 
 
-def _bind(hook: Callable[[list[nn.Module]], None] | None, modules: list[nn.Module]) -> Callable[[], None] | None:
-    return None if hook is None else lambda: hook(modules)
+def _bind(
+    hook: Callable[[list[nn.Module]], None] | None, spec: ModelSpec | None, modules: list[nn.Module], metrics: dict
+) -> Callable[[], None] | None:
+    """What runs after each optimizer step: `hook` on the model's parts, then the spec's own step hook (whose
+    metrics replace `metrics`' content); None when there is nothing to run."""
+    spec_hook = spec is not None and type(spec).after_optimizer_step is not ModelSpec.after_optimizer_step
+    if hook is None and not spec_hook:
+        return None
+
+    def run() -> None:
+        if hook is not None:
+            hook(modules)
+        if spec is not None and spec_hook:
+            metrics.clear()
+            metrics.update(spec.after_optimizer_step(modules))
+
+    return run
 
 
 def apply_parallelism(
@@ -214,7 +236,9 @@ def apply_parallelism(
     if layout.pp == 1:
         context = context_parallel(model)
         module, loss_parallel = _parallelize(model, plan, mesh, device, init_fn)
-        return ParallelModel(module, plan, mesh, None, loss_parallel, context, _bind(after_step, [module]))
+        built = ParallelModel(module, plan, mesh, None, loss_parallel, context)
+        built.after_optimizer_step = _bind(after_step, spec, [module], built.step_metrics)
+        return built
     if spec is None:
         raise ValueError("parallel.pp: pipeline parallelism needs a model spec to cut stages; use parallel.pp=1")
     n_stages = layout.pp * parallel.stages_per_rank
@@ -231,4 +255,6 @@ def apply_parallelism(
     if shared:
         pipeline.shared = shared_copies(parts, stage_ids, shared, n_stages, mesh, parallel.pp_schedule)
     pipelined = PipelinedModel(parts, stage_ids)
-    return ParallelModel(pipelined, plan, mesh, pipeline, False, contexts[0], _bind(after_step, parts))
+    built = ParallelModel(pipelined, plan, mesh, pipeline, False, contexts[0])
+    built.after_optimizer_step = _bind(after_step, spec, parts, built.step_metrics)
+    return built

@@ -15,7 +15,7 @@ from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import ShardRule, fsdp_units
 from scaletrain.config.layout import Layout
-from scaletrain.parallel.dims import fsdp_mesh
+from scaletrain.parallel.dims import expert_fsdp_mesh, fsdp_mesh
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
@@ -60,6 +60,17 @@ def apply_fsdp(
             norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
         )
     done = {id(m) for m in norms}
+    if layout.ep > 1 and spec is not None:  # experts first, over the ranks holding the same ones (parallel/expert.py)
+        from scaletrain.parallel.expert import shard_experts
+
+        shard_experts(
+            spec.expert_modules(model),
+            expert_fsdp_mesh(layout, mesh),
+            layout.grad_average,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=offload,
+        )
     units = fsdp_units(model, spec, shard)
     for i, unit in enumerate(units):
         if isinstance(unit, list):

@@ -10,17 +10,30 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # FSDP shards over data- and context-parallel ranks together (one flattened mesh dim, as torchtitan does): cp ranks
 # hold the same weights and each sees part of every sequence, so their gradients are reduced like dp ranks'.
 FSDP_SHARD_DIM = "dp_shard_cp"
+# Expert parallelism splits dp_shard into (dp_shard / ep) x ep (torchtitan's carving): the ep ranks exchange tokens,
+# the experts' weights are sharded by FSDP over the EXPERT_SHARD_DIM ranks that hold the same experts
+EXPERT_SHARD_DIM = "dp_shard_mod_ep"
 
 
 def build_mesh(layout: Layout, device_type: str):
     """One DeviceMesh over all ranks with a named dim for every degree > 1 (None on a single rank); with cp > 1
-    also the flattened FSDP_SHARD_DIM over dp_shard x cp."""
+    also the flattened FSDP_SHARD_DIM over dp_shard x cp; with ep > 1 dims EXPERT_SHARD_DIM x ep in place of
+    dp_shard, which is their flattened dim."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    names = [n for n in MESH_ORDER if layout.sizes()[n] > 1]
+    sizes = layout.sizes()
+    if layout.ep > 1:  # dp_shard becomes a flattened dim over (dp_shard / ep) x ep, both kept even when 1
+        # cp > 1 with ep is refused before launch (resolve/checks.py)
+        order = ("pp", "dp_replicate", EXPERT_SHARD_DIM, "ep", "tp")
+        sizes.update({EXPERT_SHARD_DIM: layout.dp_shard // layout.ep, "ep": layout.ep})
+        names = [n for n in order if sizes[n] > 1 or n in (EXPERT_SHARD_DIM, "ep")]
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
+        mesh[EXPERT_SHARD_DIM, "ep"]._flatten("dp_shard")
+        return mesh
+    names = [n for n in MESH_ORDER if sizes[n] > 1]
     if not names:
         return None
-    mesh = init_device_mesh(device_type, tuple(layout.sizes()[n] for n in names), mesh_dim_names=tuple(names))
+    mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
     if layout.cp > 1:
         mesh[tuple(n for n in ("dp_shard", "cp") if n in names)]._flatten(FSDP_SHARD_DIM)
     return mesh
@@ -44,6 +57,12 @@ def dp_coordinates(layout: Layout, mesh) -> tuple[int, int]:
         return 0, 1
     rank = 0
     for name in ("dp_replicate", "dp_shard"):
-        if name in (mesh.mesh_dim_names or ()):
+        if layout.sizes()[name] > 1:  # dp_shard may be a flattened dim (expert parallelism)
             rank = rank * mesh[name].size() + mesh[name].get_local_rank()
     return rank, layout.dp
+
+
+def expert_fsdp_mesh(layout: Layout, mesh):
+    """The mesh FSDP2 shards the experts' weights over under expert parallelism: the dp_shard / ep ranks holding
+    the same experts, with dp_replicate outside it for HSDP."""
+    return mesh["dp_replicate", EXPERT_SHARD_DIM] if layout.dp_replicate > 1 else mesh[EXPERT_SHARD_DIM]

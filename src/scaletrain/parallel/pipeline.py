@@ -301,10 +301,19 @@ def build_pipeline(
         def _compute_outputs(self, *args, module, **kwargs):
             # shape inference runs one real forward; under DDP outside no_sync() it would arm the gradient hooks
             # and the next accumulating backward would register every parameter twice (reducer assert)
+            # its buffers are put back after it: what a forward counts in them (an MoE layer's expert load) must
+            # be the micro-batches' own
+            kept = [(b, b.detach().clone()) for b in module.buffers()]
             if isinstance(module, DistributedDataParallel):
                 with module.no_sync():
-                    return module(*args, **kwargs)
-            return module(*args, **kwargs)
+                    out = module(*args, **kwargs)
+            else:
+                out = module(*args, **kwargs)
+            with torch.no_grad():
+                for buffer, value in kept:
+                    if not torch.equal(buffer, value):  # unchanged ones (rotary tables) are in its graph: untouched
+                        buffer.copy_(value)
+            return out
 
     stages = [Stage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
     cls = get_schedule_class(schedule_name)

@@ -48,6 +48,8 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, layout: Layout) -> None:
             "unsharded on the device); use parallel.pp=1 or parallel.cpu_offload=false"
         )
     check_fp8(cfg)
+    if layout.ep > 1:
+        check_expert_parallel(spec, layout)
     if layout.tp > 1:
         if layout.mode is DataParallelMode.DDP:
             raise ValueError(
@@ -80,6 +82,27 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, layout: Layout) -> None:
                 f"schedule; use bf16 with parallel.pp > 1"
             )
         pipeline_microbatches(cfg, layout)
+
+
+def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
+    """ep > 1 needs a mixture-of-experts model whose experts and dp_shard ranks it divides, and a layout it has
+    been proven with (parity tests: tests/test_moe.py); the rest is refused here."""
+    ep, experts = layout.ep, spec.n_experts
+    if experts is None:
+        raise ValueError(f"parallel.ep: the {spec.family} family is dense (no experts); use parallel.ep=1")
+    if experts % ep:
+        raise ValueError(f"parallel.ep: {ep} does not divide model.n_experts={experts}; pick an ep that divides it")
+    if layout.dp_shard % ep:
+        raise ValueError(
+            f"parallel.ep: {ep} does not divide the {layout.dp_shard} dp_shard ranks it is carved from; "
+            f"pick an ep that divides parallel.dp_shard"
+        )
+    for name, degree in (("cp", layout.cp), ("tp", layout.tp)):
+        if degree > 1:
+            raise ValueError(
+                f"parallel.ep: not combined with parallel.{name}={degree} yet (expert parallelism runs with "
+                f"FSDP, HSDP and pipelines); use parallel.{name}=1 or parallel.ep=1"
+            )
 
 
 def check_context_parallel(cfg: JobConfig, spec: ModelSpec, layout: Layout) -> None:

@@ -116,6 +116,8 @@ class Job:
     fsdp_accumulate: str = "sharded"
     # what derives from the weights and must follow them (fp8: the float8 all-gather's precomputed scales)
     after_weights_change: Callable[[], None] | None = None
+    # metrics of the last optimizer step from the model's own step hook (an MoE model's expert load)
+    step_metrics: dict[str, float] = field(default_factory=dict)
     _params: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -133,6 +135,7 @@ class Job:
             optimizer.register_step_post_hook(lambda optimizer, args, kwargs: hook())
         return cls(
             after_weights_change=hook,
+            step_metrics=model.step_metrics,
             model=model.module,
             optimizer=optimizer,
             layout=plan.layout,

@@ -193,6 +193,7 @@ class _LogWindow:
             "step_time_s": step_time,
             f"{trainer.task.unit}_per_s": tps,  # tokens_per_s for causal-lm, images_per_s for a classifier
         }
+        record.update(trainer.job.step_metrics)  # the model's own (an MoE model's expert load)
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
         record = outputs.monitor.on_log(record)  # MFU, rank-aggregated breakdown (all ranks take part)

@@ -1,0 +1,236 @@
+"""A DeepSeek-style mixture-of-experts decoder: the built-in Llama's attention (RMSNorm, rotary embeddings, GQA)
+with each MLP after the first n_dense_layers replaced by a top-k routed set of fine-grained SwiGLU experts plus
+shared experts.
+
+Routing works on whole tensors: the (token, choice) pairs are sorted by expert (one argsort), gathered, run through
+the experts as contiguous groups and added back with their router weights (index_add_); no Python per token.
+Where the experts run is the layer's `dispatcher`: here, on this rank; expert parallelism
+(parallel/expert.py) swaps in one that sends each group to the rank holding its expert with all-to-all.
+
+Expert weights are stacked: w1/w3 (n_experts, dim, expert_dim), w2 (n_experts, expert_dim, dim); under expert
+parallelism each rank holds a contiguous slice of the experts (a DTensor sharded on dim 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaletrain.models.document_attention import DocumentMask, document_mask
+from scaletrain.models.llama.model import Attention, precompute_rope
+from scaletrain.models.moe.args import MoEArgs
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked expert weight (all of them without expert parallelism)."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """torch._grouped_mm for the experts' matmuls: CUDA with bf16 only. On CPU (torch 2.13) its forward runs for
+    16-byte-aligned strides but its backward fails ("Invalid strides/sizes"), so CPU ranks loop over experts."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU MLPs with stacked weights; forward takes tokens sorted by expert and each expert's count."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # gate
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # down
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # up
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (N, dim) grouped by (local) expert; counts: (local experts,) int64 summing to N."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if use_grouped_mm(x):
+            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+            return torch._grouped_mm(h, w2, offs=offsets)
+        outs = []
+        for e, part in enumerate(torch.split(x, counts.tolist())):
+            outs.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class Dispatcher(Protocol):
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+
+
+def run_local(tokens: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    """Every expert is on this rank: run them on the sorted tokens."""
+    return experts(tokens, counts)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; its backward also feeds d(aux)/d(aux) = 1 into the router's auxiliary loss, so the
+    loss need not travel to the task's loss (Megatron-Core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.aux_shape, device=grad.device)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """Router + routed experts + shared experts of one block; counts each expert's load while training."""
+
+    expert_bias: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    tokens_per_expert: torch.Tensor
+    dropped_tokens: torch.Tensor
+
+    def __init__(self, args: MoEArgs, layer_id: int):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_dim)
+        self.shared = SwiGLU(args.dim, args.expert_dim * args.n_shared_experts) if args.n_shared_experts else None
+        # selection bias of the auxiliary-loss-free balancing: picks experts, never weighs them (DeepSeek-V3)
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts))
+        # load since the last optimizer step (ModelSpec.after_optimizer_step reads and clears them)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros(()), persistent=False)
+        self.dispatcher: Dispatcher = run_local
+
+    def init_buffers(self) -> None:
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+            self.dropped_tokens.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x (T, dim) -> (weights (T, k) fp32, experts (T, k) int64, auxiliary loss or None)."""
+        a = self.args
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        _, chosen = torch.topk(scores + self.expert_bias, a.top_k, dim=-1)
+        weights = scores.gather(-1, chosen)
+        if a.route_norm and a.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        aux = None
+        if self.training and a.aux_loss_coef > 0:
+            load = torch.bincount(chosen.flatten(), minlength=a.n_experts).float() / chosen.numel()
+            probs = scores / scores.sum(-1, keepdim=True)
+            aux = a.aux_loss_coef * a.n_experts * (load * probs.mean(0)).sum()
+        return weights, chosen, aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen, aux = self.route(x)
+        flat = chosen.flatten()  # (T·k,): pair i is token i // k's choice i % k
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=a.n_experts)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if a.capacity_factor > 0:  # keep each expert's first `capacity` pairs in token order
+            capacity = math.ceil(a.capacity_factor * flat.numel() / a.n_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            rank_in_expert = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
+            kept = rank_in_expert < capacity
+            if self.training:
+                with torch.no_grad():
+                    self.dropped_tokens += (~kept).sum().to(self.dropped_tokens.dtype)
+            order, counts = order[kept], counts.clamp(max=capacity)
+        token = order // a.top_k
+        routed = self.dispatcher(x[token], counts, self.experts)
+        routed = routed * weights.flatten()[order, None].to(routed.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, routed.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if aux is not None:
+            out = _AuxLoss.apply(out, aux)
+        return out.view(shape)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, args: MoEArgs, layer_id: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)  # type: ignore[arg-type]  # reads dim, heads, head_dim: MoEArgs has them
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward: nn.Module = (
+            MoEFeedForward(args, layer_id) if args.is_moe_layer(layer_id) else SwiGLU(args.dim, args.ffn_dim)
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class MoETransformer(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        args.check()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.positions: torch.Tensor | None = None  # context parallelism: global position of each local token
+
+    def init_buffers(self) -> None:
+        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        with torch.no_grad():
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
+        elif self.positions is not None:
+            cos, sin = cos[self.positions], sin[self.positions]
+        mask = document_mask(documents) if documents is not None else None
+        for layer in self.layers.values():
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def param_init_std(name: str, args: MoEArgs) -> float | None:
+    """Initial std of a parameter by its name; None: ones (norm weights)."""
+    if name.endswith("norm.weight"):
+        return None
+    if "tok_embeddings" in name:
+        return 1.0
+    if name.startswith("output") or ".output." in name:
+        return args.dim**-0.5
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):  # residual projections scaled by depth
+        return 0.02 / math.sqrt(2 * args.n_layers)
+    return 0.02

@@ -1,0 +1,225 @@
+"""The built-in mixture-of-experts family and expert parallelism (fp32, CPU ranks over gloo, fixed seed).
+
+One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every job of that size: EP 2, and
+EP 2 x FSDP 2, EP 2 x HSDP 2x2 and EP 2 x PP 2 on 4 ranks, must give the per-step losses and final parameters of one process within 1e-5, dropless and with
+a capacity factor (the one process accumulating the same per-rank micro-batches, so each expert's capacity is
+taken over the same tokens); every rank's all-to-all must carry exactly the (token, expert) pairs the routers
+kept. A checkpoint saved under EP 2 resumes under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing and the refusals run in this process."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import FAST, losses, run_cli, torchrun
+from scaletrain.cli.main import main
+from scaletrain.models.moe import PRESETS, MoESpec
+from scaletrain.models.moe.balance import balance_experts
+
+TOL = 1e-5
+RUNNER = Path(__file__).resolve().parent / "moe_runner.py"
+STEPS, BATCH, SEQ = 5, 8, 64
+BASE = [*FAST, "model.name=moe-tiny", f"train.steps={STEPS}", f"train.global_batch_size={BATCH}", f"data.seq_len={SEQ}"]
+CAP = ["model.capacity_factor=1.0"]
+JOBS = {
+    1: {"single": [], "single_cap": [*CAP, f"train.micro_batch_size={BATCH // 2}"]},
+    2: {"ep2": ["parallel.ep=2"], "ep2_cap": ["parallel.ep=2", *CAP]},
+    4: {
+        "ep2_fsdp2": ["parallel.ep=2"],
+        "ep2_hsdp2x2": ["parallel.ep=2", "parallel.dp_replicate=2"],
+        "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],  # rank 0's state: the first stage's parameters
+    },
+}
+
+
+class Runs:
+    """Each world size launched once, on first use (the fast tier never starts the 4-rank one)."""
+
+    def __init__(self, cwd: Path):
+        self.cwd, self.done = cwd, set()
+
+    def __getitem__(self, name: str) -> list[dict]:
+        nproc = next(n for n, jobs in JOBS.items() if name in jobs)
+        if nproc not in self.done:
+            spec = self.cwd / f"jobs{nproc}.json"
+            spec.write_text(json.dumps([{"name": n, "overrides": [*BASE, *o]} for n, o in JOBS[nproc].items()]))
+            torchrun(nproc, [str(RUNNER), str(spec), str(self.cwd)])
+            self.done.add(nproc)
+        return json.loads((self.cwd / name / "steps.json").read_text())
+
+    def state(self, name: str) -> dict[str, torch.Tensor]:
+        self[name]
+        return torch.load(self.cwd / name / "state.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("moe"))
+
+
+@pytest.mark.parametrize(
+    "ref, layout",
+    [
+        ("single", "ep2"),
+        ("single_cap", "ep2_cap"),
+        *(pytest.param("single", name, marks=pytest.mark.slow) for name in JOBS[4]),
+    ],
+)
+def test_expert_parallel_matches_one_process(runs, ref, layout):
+    want, got = runs[ref], runs[layout]
+    assert len(want) == len(got) == STEPS
+    for step, (a, b) in enumerate(zip(want, got, strict=True), 1):
+        assert abs(a["loss"] - b["loss"]) <= TOL, f"{layout} step {step}: {b['loss']} vs one process {a['loss']}"
+        # Adam hides a gradient's scale from the loss: an expert reduced over the wrong ranks shows in the norm
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=TOL), f"{layout} step {step}: gradient norm"
+        assert a["moe_dropped"] == b["moe_dropped"], f"{layout} step {step}: dropped other tokens than one process"
+        assert a["moe_imbalance"] == pytest.approx(b["moe_imbalance"])
+    ref_state, state = runs.state(ref), runs.state(layout)
+    assert state.keys() <= ref_state.keys() and any("experts" in name for name in state)
+    for name, value in state.items():
+        assert torch.allclose(ref_state[name], value, atol=TOL, rtol=0), f"{layout}: {name} differs from one process"
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
+def test_all_to_all_carries_exactly_the_routed_tokens(runs):
+    args = PRESETS["moe-tiny"]
+    routed = BATCH * SEQ * args.top_k * (args.n_layers - args.n_dense_layers)  # (token, expert) pairs per step
+    for step in runs["ep2"]:
+        assert step["moe_routed"] == routed and step["moe_dropped"] == 0
+        assert step["sent"] == routed  # dropless: every pair crosses the all-to-all once, none twice
+    capped = runs["ep2_cap"]
+    assert sum(s["moe_dropped"] for s in capped) > 0  # capacity 1.0 under a router that is not yet balanced
+    for step in capped:
+        assert step["sent"] == step["moe_routed"] - step["moe_dropped"]  # the dropped pairs never leave
+        assert step["moe_dropped_frac"] == pytest.approx(step["moe_dropped"] / step["moe_routed"])
+
+
+def test_routing_equals_a_per_token_reference():
+    """Sorting, grouping and index_add give each token sum_k weight_k * expert_k(x) + shared(x), as a loop over
+    tokens computes it; a capacity drops the pairs beyond each expert's first `capacity` in token order."""
+    torch.manual_seed(0)
+    for capacity in (0.0, 0.5):
+        spec = MoESpec.from_overrides(PRESETS["moe-tiny"], {"capacity_factor": capacity, "score_func": "softmax"})
+        model = spec.build("cpu")
+        spec.init_weights(model, seed=1)
+        layer = model.layers["0"].feed_forward
+        x = torch.randn(2, 5, spec.args.dim)
+        got = layer(x).reshape(-1, spec.args.dim)
+        flat = x.reshape(-1, spec.args.dim)
+        weights, chosen, _ = layer.route(flat)
+        limit = math.ceil(capacity * chosen.numel() / spec.args.n_experts) if capacity else chosen.numel()
+        taken = [0] * spec.args.n_experts
+        for t in range(flat.shape[0]):
+            want = layer.shared(flat[t])
+            for k in range(spec.args.top_k):
+                e = int(chosen[t, k])
+                if taken[e] < limit:
+                    taken[e] += 1
+                    w1, w2, w3 = (w[e] for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3))
+                    want = want + weights[t, k] * ((torch.nn.functional.silu(flat[t] @ w1) * (flat[t] @ w3)) @ w2)
+            assert torch.allclose(got[t], want, atol=1e-6), f"capacity {capacity}: token {t}"
+
+
+def test_aux_loss_free_balancing_evens_a_skewed_router():
+    """A router pushed toward two experts (they take every token: 4x their share under top-2 of 8): the bias
+    update alone (no gradient step), on fresh tokens each step, brings every expert within 1.5x of its share."""
+    torch.manual_seed(0)
+    spec = MoESpec.from_overrides(PRESETS["moe-tiny"], {"bias_update_rate": 0.005, "n_layers": 1})
+    model = spec.build("cpu")
+    spec.init_weights(model, seed=1)
+    layer = model.layers["0"].feed_forward
+    with torch.no_grad():
+        layer.router.weight[:2] += 0.02
+    ratios = []
+    with torch.no_grad():
+        for _ in range(150):
+            layer(torch.randn(512, spec.args.dim).abs())
+            ratios.append(balance_experts([model], 1, spec.args.n_experts)["moe_imbalance"])
+    assert ratios[0] == 4.0, ratios[0]
+    assert max(ratios[-20:]) < 1.5, ratios[-20:]
+    assert layer.expert_bias[:2].max() < layer.expert_bias[2:].min()  # the favoured experts were pushed down
+
+
+def test_expert_load_metrics_are_logged(runs):
+    for step in runs["single"]:
+        assert step["moe_imbalance"] >= 1.0 and 0 <= step["moe_min_load"] <= 1.0
+        assert step["moe_busiest_expert"] in range(PRESETS["moe-tiny"].n_experts)
+
+
+BAD = [
+    (["parallel.ep=2"], "parallel.ep"),  # the dense built-in Llama
+    (["model.name=moe-tiny", "parallel.ep=3"], "parallel.ep"),  # 3 does not divide the 8 experts
+    (["model.name=moe-tiny", "parallel.ep=4"], "parallel.ep"),  # nor the 2 dp_shard ranks
+    (["model.name=moe-tiny", "model.capacity_factor=-1"], "model.capacity_factor"),
+    (["model.name=moe-tiny", "parallel.ep=2", "parallel.tp=2", "--nproc-per-node", "4"], "parallel.ep"),
+    (["model.name=moe-tiny", "model.top_k=9"], "model.top_k"),
+]
+
+
+@pytest.mark.parametrize("args, field", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_expert_input_is_one_line_exit_2(tmp_path, monkeypatch, args, field):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["train", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # two `scaletrain train` launches
+def test_checkpoint_under_ep2_resumes_without_expert_parallelism(tmp_path):
+    """A checkpoint saved with the experts split over 2 ranks (DTensors sharded on the expert dim, FSDP inside)
+    loads into plain FSDP 2 and trains on with the losses the EP run had."""
+    job = [
+        *BASE,
+        "train.steps=6",
+        "train.eval_interval=0",
+        "checkpoint.interval_steps=3",
+        "checkpoint.keep=0",
+        f"run.output_dir={tmp_path / 'runs'}",
+    ]
+    run_cli(["train", *job, "run.name=ep2", "parallel.ep=2"], tmp_path)
+    saved = tmp_path / "runs/ep2/checkpoints"
+    for folder in saved.iterdir():  # as if the run had stopped after step 3
+        shutil.copytree(folder, tmp_path / "runs/plain/checkpoints" / folder.name)
+    proc = run_cli(["train", *job, "run.name=plain"], tmp_path)
+    assert "at step 3" in proc.stderr
+    want, got = losses(tmp_path / "runs/ep2"), losses(tmp_path / "runs/plain")
+    assert len(want) == 6 and len(got) == 3
+    for step, (a, b) in enumerate(zip(want[3:], got, strict=True), 4):
+        assert abs(a - b) <= TOL, f"step {step}: {b} after resharding vs {a} under ep 2"
+
+
+@pytest.mark.slow  # two `scaletrain train` launches
+def test_moe_benchmark_runs(tmp_path):
+    """benchmarks/moe.py end to end on 2 ranks, 2 steps: FSDP alone and EP 2, with measured all-to-all bytes."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks/moe.py"
+    argv = ["--nproc", "2", "--ep", "2", "--model", "moe-tiny", "--steps", "2", "--seq-len", "64"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv, "--global-batch", "4", "--json", str(tmp_path / "rows.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert "error" not in rows["fsdp2"] and "error" not in rows["ep2_fsdp2"], rows
+    assert rows["fsdp2"]["a2a_bytes_per_step"] == 0 < rows["ep2_fsdp2"]["a2a_bytes_per_step"]
+    assert "| ep2_fsdp2 |" in proc.stdout
+
+
+def test_diagnosis_names_the_overloaded_expert():
+    from scaletrain.monitor.diagnosis import diagnose
+
+    steady = {"moe_busiest_layer": 1.0, "moe_busiest_expert": 7.0, "moe_dropped_frac": 0.0}
+    skewed = [{"step": i, "moe_imbalance": 4.0, **steady} for i in range(1, 11)]
+    found = {f.rule: f for f in diagnose(skewed)}
+    assert "expert 7 of layer 1 gets 4.0x its share" in found["expert_imbalance"].title
+    even = [{**r, "moe_imbalance": 1.2} for r in skewed]
+    assert "expert_imbalance" not in {f.rule for f in diagnose(even)}
