@@ -441,6 +441,9 @@ class MonitorConfig(Section):
     memory_headroom_pct: float = Field(
         50.0, gt=0, description="diagnosis: GPU memory left unused above this share suggests a bigger micro-batch"
     )
+    moe_imbalance: float = Field(
+        2.0, gt=1.0, description="diagnosis: an MoE whose busiest expert gets this many times its fair share of tokens"
+    )
 
     @field_validator("trackers", mode="before")
     @classmethod
