@@ -13,14 +13,14 @@ current one computes (decoding is a pure function of the position, so prefetchin
 from __future__ import annotations
 
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from scaletrain.data.images import ImageShards, Pixels
+from scaletrain.data.prefetch import StepPrefetch
 
 
 @dataclass
@@ -59,8 +59,7 @@ class ImageLoader:
         self._orders: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self._decoders = ThreadPoolExecutor(max(1, workers), thread_name_prefix="scaletrain-decode")
-        self._pending: deque[tuple[int, Future]] = deque()
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="scaletrain-data") if prefetch > 0 else None
+        self._ahead = StepPrefetch(self._step_at, global_batch, prefetch)
 
     @property
     def accumulation_steps(self) -> int:
@@ -102,32 +101,13 @@ class ImageLoader:
 
     def next_step(self) -> list[ImageBatch]:
         """This rank's micro-batches for the next optimizer step."""
-        position = self.consumed_samples
-        batches = None
-        while self._pending:
-            at, future = self._pending.popleft()
-            if at == position:
-                batches = future.result()
-                break
-            future.cancel()  # the position moved (a resume or an evaluation restart)
-        if batches is None:
-            self._pending.clear()
-            batches = self._step_at(position)
+        batches = self._ahead.take(self.consumed_samples)
         self.consumed_samples += self.global_batch
-        if self._ahead is not None:
-            ahead = self._pending[-1][0] if self._pending else position
-            while len(self._pending) < self.prefetch:
-                ahead += self.global_batch
-                self._pending.append((ahead, self._ahead.submit(self._step_at, ahead)))
         return batches
 
     def close(self) -> None:
         """Stop the prefetch and decoding threads (pending reads are dropped)."""
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        if self._ahead is not None:
-            self._ahead.shutdown(wait=True, cancel_futures=True)
+        self._ahead.close(wait=True)
         self._decoders.shutdown(wait=True, cancel_futures=True)
         self.shards.close()
 
@@ -138,6 +118,4 @@ class ImageLoader:
         self.consumed_samples = int(state["consumed_samples"])
         self.seed = int(state["seed"])
         self._orders.clear()
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
+        self._ahead.drop()

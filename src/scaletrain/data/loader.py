@@ -21,8 +21,6 @@ step gets).
 from __future__ import annotations
 
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from scaletrain.config.schema import DataConfig
 from scaletrain.data.mix import MixSchedule
 from scaletrain.data.order import cached_permutation
 from scaletrain.data.packing import PackedDocuments, Rows
+from scaletrain.data.prefetch import StepPrefetch
 from scaletrain.data.sources import open_datasets
 from scaletrain.data.stream import TokenStream
 from scaletrain.models.loss import IGNORE_INDEX
@@ -157,8 +156,7 @@ class DistributedLoader:
         self.prefetch = prefetch
         self._orders: dict[tuple[int, int], np.ndarray] = {}
         self._lock = threading.Lock()
-        self._pending: deque[tuple[int, Future]] = deque()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scaletrain-data") if prefetch > 0 else None
+        self._ahead = StepPrefetch(self._step_at, global_batch, prefetch)
 
     @property
     def accumulation_steps(self) -> int:
@@ -203,32 +201,13 @@ class DistributedLoader:
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next optimizer step."""
-        position = self.consumed_samples
-        batches = None
-        while self._pending:
-            at, future = self._pending.popleft()
-            if at == position:
-                batches = future.result()
-                break
-            future.cancel()  # the position moved (a resume or an evaluation restart): that read is not wanted
-        if batches is None:
-            self._pending.clear()
-            batches = self._step_at(position)
+        batches = self._ahead.take(self.consumed_samples)
         self.consumed_samples += self.global_batch
-        if self._pool is not None:
-            ahead = self._pending[-1][0] if self._pending else position
-            while len(self._pending) < self.prefetch:
-                ahead += self.global_batch
-                self._pending.append((ahead, self._pool.submit(self._step_at, ahead)))
         return batches
 
     def close(self) -> None:
         """Stop the prefetch thread (pending reads are dropped)."""
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ahead.close(wait=False)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed}
@@ -237,9 +216,7 @@ class DistributedLoader:
         self.consumed_samples = int(state["consumed_samples"])
         self.seed = int(state["seed"])
         self._orders.clear()
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
+        self._ahead.drop()
 
 
 def samples_of(stream: TokenStream, cfg: DataConfig, cache_dir: Path | None, name: str) -> Dataset:
