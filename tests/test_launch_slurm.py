@@ -230,29 +230,6 @@ def _checkpoints(run_dir: Path) -> list[str]:
     return sorted(p.name for p in root.glob("step_*") if re.fullmatch(r"step_\d{8}", p.name)) if root.exists() else []
 
 
-@pytest.mark.slow  # Slurm's daemons and a 2-rank job; the sbatch script's logic stays fast above (stub srun)
-def test_real_slurm_runs_a_two_rank_job(slurm_cluster, tmp_path: Path) -> None:
-    run_dir = tmp_path / "runs" / "slurm2"
-    proc = _launch(tmp_path, "run.name=slurm2", "checkpoint.interval_steps=10", "--job-name", NASTY, "--submit")
-    job_id = proc.stdout.strip().splitlines()[-1]
-    assert job_id.isdigit(), proc.stdout
-    info = _wait(
-        job_id,
-        lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-        "completion",
-        timeout=300,
-    )
-    log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert info["JobState"] == "COMPLETED", log[-3000:]
-    assert "training exited with code 0" in log
-    assert _sh("squeue", "-h", "-j", job_id, "-o", "%j", check=False).strip() in ("", NASTY)
-    assert not list(tmp_path.rglob("PWNED"))
-    assert _steps(run_dir)[-1] == 20
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 20
-    assert "step_00000010" in _checkpoints(run_dir)
-
-
 try:  # the trainer's preemption checkpoint (checkpoint package + SIGUSR1/SIGTERM -> exit 75)
     import scaletrain.checkpoint  # noqa: F401
     from scaletrain.train.preemption import EXIT_REQUEUE
@@ -262,12 +239,14 @@ except ImportError:
     HAVE_PREEMPTION = False
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # Slurm's daemons and one 2-rank job; the sbatch script's logic stays fast above (stub srun)
 @pytest.mark.skipif(
     not HAVE_PREEMPTION,
     reason="needs the trainer's preemption checkpoint (scaletrain.checkpoint, scaletrain.train.preemption)",
 )
-def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: Path) -> None:
+def test_real_slurm_runs_a_two_rank_job_that_is_preempted_requeued_and_resumed(slurm_cluster, tmp_path: Path) -> None:
+    """One real job covers both: it runs under a hostile job name (quoted everywhere, nothing executed), is preempted
+    mid-run by Slurm's advance warning, requeued, resumes from its checkpoint and completes."""
     run_dir = tmp_path / "runs" / "preempt"
     steps = 150  # ~15 s on 2 cores: long enough that the signal lands mid-run
     proc = _launch(
@@ -275,6 +254,8 @@ def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: 
         "run.name=preempt",
         f"train.steps={steps}",
         "checkpoint.interval_steps=1000",
+        "--job-name",
+        NASTY,
         "--time",
         "30:00",
         "--signal-lead",
@@ -282,6 +263,8 @@ def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: 
         "--submit",
     )
     job_id = proc.stdout.strip().splitlines()[-1]
+    assert job_id.isdigit(), proc.stdout
+    assert _sh("squeue", "-h", "-j", job_id, "-o", "%j", check=False).strip() in ("", NASTY)
     deadline = time.time() + 240
     while len(_steps(run_dir)) < 5 and time.time() < deadline:
         time.sleep(0.5)
@@ -307,4 +290,7 @@ def test_real_slurm_preempted_job_requeues_and_resumes(slurm_cluster, tmp_path: 
     logged = _steps(run_dir)
     assert logged[-1] == steps
     assert logged == sorted(set(logged))  # no step trained twice in the metrics
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == steps
+    assert "training exited with code 0" in log
+    assert not list(tmp_path.rglob("PWNED"))
