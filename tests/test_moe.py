@@ -1,14 +1,18 @@
 """The built-in mixture-of-experts family and expert parallelism (fp32, CPU ranks over gloo, fixed seed).
 
 One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every job of that size: EP 2, and
-EP 2 x FSDP 2, EP 2 x HSDP 2x2 and EP 2 x PP 2 on 4 ranks, must give the per-step losses and final parameters of one process within 1e-5, dropless and with
-a capacity factor (the one process accumulating the same per-rank micro-batches, so each expert's capacity is
-taken over the same tokens); every rank's all-to-all must carry exactly the (token, expert) pairs the routers
-kept. A checkpoint saved under EP 2 resumes under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing and the refusals run in this process."""
+EP 2 x FSDP 2, EP 2 x HSDP 2x2 and EP 2 x PP 2 on 4 ranks, must give the per-step losses and final parameters of
+one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
+micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
+exactly the (token, expert) pairs the routers kept. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
+checkpoints resume under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing
+and the refusals run in this process."""
 
 import json
 import math
-import shutil
+import os
+import signal
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +22,11 @@ import torch
 from click.testing import CliRunner
 
 from conftest import FAST, losses, run_cli, torchrun
+from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.cli.main import main
 from scaletrain.models.moe import PRESETS, MoESpec
 from scaletrain.models.moe.balance import balance_experts
+from test_checkpoint import _resume_copy, _start, _wait_for_step, _workers
 
 TOL = 1e-5
 RUNNER = Path(__file__).resolve().parent / "moe_runner.py"
@@ -172,28 +178,43 @@ def test_bad_expert_input_is_one_line_exit_2(tmp_path, monkeypatch, args, field)
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow  # two `scaletrain train` launches
-def test_checkpoint_under_ep2_resumes_without_expert_parallelism(tmp_path):
-    """A checkpoint saved with the experts split over 2 ranks (DTensors sharded on the expert dim, FSDP inside)
-    loads into plain FSDP 2 and trains on with the losses the EP run had."""
-    job = [
-        *BASE,
-        "train.steps=6",
-        "train.eval_interval=0",
-        "checkpoint.interval_steps=3",
-        "checkpoint.keep=0",
-        f"run.output_dir={tmp_path / 'runs'}",
-    ]
-    run_cli(["train", *job, "run.name=ep2", "parallel.ep=2"], tmp_path)
-    saved = tmp_path / "runs/ep2/checkpoints"
-    for folder in saved.iterdir():  # as if the run had stopped after step 3
-        shutil.copytree(folder, tmp_path / "runs/plain/checkpoints" / folder.name)
-    proc = run_cli(["train", *job, "run.name=plain"], tmp_path)
-    assert "at step 3" in proc.stderr
-    want, got = losses(tmp_path / "runs/ep2"), losses(tmp_path / "runs/plain")
-    assert len(want) == 6 and len(got) == 3
-    for step, (a, b) in enumerate(zip(want[3:], got, strict=True), 4):
-        assert abs(a - b) <= TOL, f"step {step}: {b} after resharding vs {a} under ep 2"
+@pytest.mark.slow  # three launches and a restart
+def test_ep2_resumes_bit_identical_after_sigkill_and_reshards_to_no_ep(tmp_path):
+    """Under EP 2 (experts as DTensors sharded on the expert dim, FSDP inside): a rank SIGKILLed mid-run restarts
+    from the last checkpoint and ends with the uninterrupted run's weights and losses bit for bit; the same
+    checkpoints load into plain FSDP 2 (no expert parallelism, same world) and train on with the EP run's losses."""
+    steps = 8
+    job = [*BASE, f"train.steps={steps}", "train.eval_interval=0", "checkpoint.interval_steps=2"]
+    job += ["checkpoint.keep=0", "checkpoint.save_final=true", "parallel.ep=2"]
+    run_cli(["train", *job, "run.name=clean"], tmp_path)
+    clean = tmp_path / "runs/clean"
+    proc = _start(["train", *job, "run.name=killed", "launch.max_restarts=2"], tmp_path)
+    reached = _wait_for_step(tmp_path / "runs/killed", 3, proc)
+    committed = tmp_path / "runs/killed/checkpoints/step_00000002"
+    deadline = time.monotonic() + 120
+    while not committed.is_dir() and time.monotonic() < deadline:  # the kill must find a checkpoint to resume
+        time.sleep(0.02)
+    victims = _workers(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
+    assert reached < steps
+    final = f"checkpoints/step_{steps:08d}"
+    want, _ = load_full_model_state(clean / final)
+    got, _ = load_full_model_state(tmp_path / "runs/killed" / final)
+    assert got.keys() == want.keys() and any("experts" in name for name in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs after the SIGKILL restart"
+    assert losses(tmp_path / "runs/killed") == losses(clean)
+    # ep 2 -> no EP: the step-4 checkpoint, as if the run had stopped there, resumed under plain FSDP 2
+    _resume_copy(clean, tmp_path / "runs/plain", 4)
+    proc2 = run_cli(["train", *[o for o in job if o != "parallel.ep=2"], "run.name=plain"], tmp_path)
+    assert "at step 4" in proc2.stderr, proc2.stderr[-3000:]
+    ref, resumed = losses(clean), losses(tmp_path / "runs/plain")
+    assert len(ref) == steps and len(resumed) == steps - 4
+    for step, (a, b) in enumerate(zip(ref[4:], resumed, strict=True), 5):
+        assert abs(a - b) <= TOL, f"step {step}: {b} after resharding to no EP vs {a} under ep 2"
 
 
 @pytest.mark.slow  # two `scaletrain train` launches
