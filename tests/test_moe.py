@@ -26,6 +26,7 @@ from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.cli.main import main
 from scaletrain.models.moe import PRESETS, MoESpec
 from scaletrain.models.moe.balance import balance_experts
+from scaletrain.plan.experts import expert_params, model_state_bytes, rank_param_elements
 from test_checkpoint import _resume_copy, _start, _wait_for_step, _workers
 
 TOL = 1e-5
@@ -156,6 +157,54 @@ def test_expert_load_metrics_are_logged(runs):
     for step in runs["single"]:
         assert step["moe_imbalance"] >= 1.0 and 0 <= step["moe_min_load"] <= 1.0
         assert step["moe_busiest_expert"] in range(PRESETS["moe-tiny"].n_experts)
+
+
+@pytest.mark.parametrize(
+    "name, ep, dp_shard",
+    [
+        ("ep2", 2, 2),
+        *(pytest.param(n, 2, 2 if "hsdp" in n else 4, marks=pytest.mark.slow) for n in JOBS[4] if "pp" not in n),
+    ],
+)
+def test_planned_parameters_per_rank_are_the_trainers(runs, name, ep, dp_shard):
+    """The planner's per-rank parameter bytes under EP (plan/experts.py: experts split by ep, then sharded by FSDP
+    over dp_shard / ep; the rest by dp_shard) are those of the tensors each rank of the trainer holds."""
+    runs[name]
+    held = json.loads((runs.cwd / name / "ranks.json").read_text())
+    params = expert_params(MoESpec(PRESETS["moe-tiny"]))
+    planned = rank_param_elements(params, ep, dp_shard)
+    assert held[0]["experts"] == planned["experts"] and held[0]["other"] == planned["other"], (held, planned)
+    assert model_state_bytes(params, ep, dp_shard)["parameters"] == 4.0 * max(r["experts"] + r["other"] for r in held)
+    whole = rank_param_elements(params, 1, 1)  # one process: every expert
+    assert planned["experts"] * dp_shard == whole["experts"]  # the experts spread evenly over the shard ranks
+
+
+def test_plan_prices_expert_parallelism_and_refuses_what_it_cannot_plan(tmp_path, monkeypatch):
+    """`scaletrain plan` on an MoE preset: a row per ep with the experts' memory split and the all-to-all priced
+    (none without EP, more bytes the more ranks hold other experts); bad --ep or layouts: one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["ep"]: r for r in json.loads(result.stdout)["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8, 16]
+    assert rows[1]["a2a_seconds_per_step"] == 0 < rows[2]["a2a_seconds_per_step"] < rows[16]["a2a_seconds_per_step"]
+    assert rows[2]["a2a_bytes_per_layer"] < rows[8]["a2a_bytes_per_layer"]  # (ep-1)/ep of the rows leave the rank
+    assert rows[8]["gathered_bytes"] < rows[1]["gathered_bytes"]  # FSDP gathers only the rank's experts
+    assert rows[8]["fsdp_seconds_per_step"] < rows[1]["fsdp_seconds_per_step"]
+    table = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--ep", "8"])
+    assert table.exit_code == 0 and "| 8 |" in table.stdout and "| 1 |" not in table.stdout, table.output
+    for args, field in (
+        (["--model", "llama-8b", "--ep", "2"], "--ep"),  # dense
+        (["--model", "moe-16b", "--ep", "3"], "--ep"),  # 3 does not divide 64 experts
+        (["--model", "moe-16b", "--ep", "two"], "--ep"),
+        (["--model", "moe-16b", "--cp", "2"], "--cp"),
+        (["--model", "moe-16b", "--moe-imbalance", "0.5"], "--moe-imbalance"),
+        (["model.name=moe-tiny", "parallel.tp=2"], "parallel.tp"),
+    ):
+        bad = CliRunner().invoke(main, ["plan", *args, "--gpus", "16"])
+        assert bad.exit_code == 2, (args, bad.output)
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0], (args, lines)
 
 
 BAD = [
