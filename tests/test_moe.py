@@ -1,7 +1,7 @@
 """The built-in mixture-of-experts family and expert parallelism (fp32, CPU ranks over gloo, fixed seed).
 
 One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every job of that size: EP 2, and
-EP 2 x FSDP 2, EP 2 x HSDP 2x2 and EP 2 x PP 2 on 4 ranks, must give the per-step losses and final parameters of
+EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2 and EP 2 x CP 2 on 4 ranks, must give the per-step losses and final parameters of
 one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
 micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
 exactly the (token, expert) pairs the routers kept. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
@@ -41,6 +41,7 @@ JOBS = {
         "ep2_fsdp2": ["parallel.ep=2"],
         "ep2_hsdp2x2": ["parallel.ep=2", "parallel.dp_replicate=2"],
         "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],  # rank 0's state: the first stage's parameters
+        "ep2_cp2": ["parallel.ep=2", "parallel.cp=2"],  # experts sharded by FSDP over dp_shard / ep x cp
     },
 }
 
