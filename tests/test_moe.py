@@ -160,24 +160,27 @@ def test_expert_load_metrics_are_logged(runs):
         assert step["moe_busiest_expert"] in range(PRESETS["moe-tiny"].n_experts)
 
 
+LAYOUT_DEGREES = {"ep2": (2, 2, 1), "ep2_fsdp2": (2, 4, 1), "ep2_hsdp2x2": (2, 2, 1), "ep2_pp2": (2, 2, 2)}
+LAYOUT_DEGREES["ep2_cp2"] = (2, 4, 1)  # FSDP over dp_shard x cp, the experts over dp_shard / ep x cp
+
+
 @pytest.mark.parametrize(
-    "name, ep, dp_shard",
-    [
-        ("ep2", 2, 2),
-        *(pytest.param(n, 2, 2 if "hsdp" in n else 4, marks=pytest.mark.slow) for n in JOBS[4] if "pp" not in n),
-    ],
+    "name", ["ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in LAYOUT_DEGREES if n in JOBS[4])]
 )
-def test_planned_parameters_per_rank_are_the_trainers(runs, name, ep, dp_shard):
+def test_planned_parameters_per_rank_are_the_trainers(runs, name):
     """The planner's per-rank parameter bytes under EP (plan/experts.py: experts split by ep, then sharded by FSDP
-    over dp_shard / ep; the rest by dp_shard) are those of the tensors each rank of the trainer holds."""
+    over dp_shard / ep; the rest by dp_shard; a pipeline stage's blocks cut as the trainer cuts them) are those of
+    the tensors the trainer's rank 0 holds, and of the rank holding the most."""
+    ep, dp_shard, pp = LAYOUT_DEGREES[name]
     runs[name]
     held = json.loads((runs.cwd / name / "ranks.json").read_text())
-    params = expert_params(MoESpec(PRESETS["moe-tiny"]))
-    planned = rank_param_elements(params, ep, dp_shard)
+    stages = expert_params(MoESpec(PRESETS["moe-tiny"]), pp, SEQ)
+    planned = rank_param_elements(stages[0], ep, dp_shard)  # rank 0: the first stage
     assert held[0]["experts"] == planned["experts"] and held[0]["other"] == planned["other"], (held, planned)
-    assert model_state_bytes(params, ep, dp_shard)["parameters"] == 4.0 * max(r["experts"] + r["other"] for r in held)
-    whole = rank_param_elements(params, 1, 1)  # one process: every expert
-    assert planned["experts"] * dp_shard == whole["experts"]  # the experts spread evenly over the shard ranks
+    most = max(model_state_bytes(s, ep, dp_shard)["parameters"] for s in stages)
+    assert most == 4.0 * max(r["experts"] + r["other"] for r in held)
+    whole = rank_param_elements(expert_params(MoESpec(PRESETS["moe-tiny"]))[0], 1, 1)  # one process
+    assert sum(rank_param_elements(s, ep, dp_shard)["experts"] for s in stages) * dp_shard == whole["experts"]
 
 
 def test_plan_prices_expert_parallelism_and_refuses_what_it_cannot_plan(tmp_path, monkeypatch):
@@ -194,8 +197,17 @@ def test_plan_prices_expert_parallelism_and_refuses_what_it_cannot_plan(tmp_path
     assert rows[8]["fsdp_seconds_per_step"] < rows[1]["fsdp_seconds_per_step"]
     table = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--ep", "8"])
     assert table.exit_code == 0 and "| 8 |" in table.stdout and "| 1 |" not in table.stdout, table.output
+    piped = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--pp", "2", "--json"])
+    assert piped.exit_code == 0, piped.output
+    by_ep = {r["ep"]: r for r in json.loads(piped.stdout)["rows"]}
+    assert sorted(by_ep) == [1, 2, 4, 8] and by_ep[8]["pp"] == 2
+    # the same parameters per GPU (half the blocks, half the FSDP ranks), but FSDP2 keeps a stage's whole gradients
+    # across a pipeline's micro-batches
+    assert by_ep[8]["model_state_bytes"] > rows[8]["model_state_bytes"]
     for args, field in (
         (["--model", "llama-8b", "--ep", "2"], "--ep"),  # dense
+        (["--model", "llama-8b", "--pp", "2"], "--pp"),
+        (["--model", "moe-16b", "--pp", "3"], "--pp"),
         (["--model", "moe-16b", "--ep", "3"], "--ep"),  # 3 does not divide 64 experts
         (["--model", "moe-16b", "--ep", "two"], "--ep"),
         (["--model", "moe-16b", "--cp", "2"], "--cp"),

@@ -113,6 +113,13 @@ def _hf_shape(path: str):
     "the GPUs).",
 )
 @click.option(
+    "--pp",
+    "moe_pp",
+    type=int,
+    default=None,
+    help="Pipeline stages of an MoE plan (default 1; dense plans search pp, a job config pins it).",
+)
+@click.option(
     "--moe-imbalance",
     type=float,
     default=1.0,
@@ -154,6 +161,7 @@ def plan(
     schedules,
     cp_text,
     ep_text,
+    moe_pp,
     moe_imbalance,
     top,
     tokens_text,
@@ -230,12 +238,15 @@ def plan(
         fail(str(e))
     if factory is None and not use_trace:
         moe = _moe_spec(config if config_model else None, model, hf_path, params, ep_text)
+        if moe is None and moe_pp is not None:
+            fail("--pp: pins the pipeline degree of an MoE plan; a dense plan searches it (pin it in a job config)")
         if moe is not None:
             _plan_experts(
                 moe,
                 model,
                 config if config_model else None,
                 ep_text,
+                moe_pp,
                 cp_text,
                 moe_imbalance,
                 cluster,
@@ -413,38 +424,45 @@ def _moe_spec(cfg, model, hf_path, params, ep_text):
     return None
 
 
-def _plan_experts(spec, model, cfg, ep_text, cp_text, imbalance, cluster, seq_len, global_batch, as_json) -> None:
-    """Plan FSDP over every GPU with the experts of `spec` split over each expert-parallel degree asked (plan/
-    experts.py) and print the rows; one line for what it cannot plan."""
+def _plan_experts(spec, model, cfg, ep_text, pp, cp_text, imbalance, cluster, seq_len, global_batch, as_json):
+    """Plan `pp` pipeline stages with FSDP over the GPUs of each and the experts of `spec` split over each
+    expert-parallel degree asked (plan/experts.py); print the rows; one line for what it cannot plan."""
     from scaletrain.plan.experts import expert_params, expert_plan_row, parse_ep, render_expert_plan
     from scaletrain.plan.search import divisors
 
     if cp_text is not None:
-        fail("--cp: an expert-parallel plan covers FSDP with EP only; drop --cp")
+        fail("--cp: an expert-parallel plan covers FSDP, pipelines and EP; drop --cp")
     if not imbalance >= 1.0:
         fail(f"--moe-imbalance: must be at least 1.0 (the even share); got {imbalance:g}")
     world, name = cluster.gpus, model if cfg is None else cfg.model.name
     if cfg is not None:
-        for key in ("dp_replicate", "tp", "pp", "cp"):
+        for key in ("dp_replicate", "tp", "cp"):
             if getattr(cfg.parallel, key) > 1:
-                fail(f"parallel.{key}: an expert-parallel plan covers FSDP with EP only; set parallel.{key}=1")
+                fail(f"parallel.{key}: an expert-parallel plan covers FSDP, pipelines and EP; set parallel.{key}=1")
         if ep_text is None and "ep" in cfg.parallel.model_fields_set:
             ep_text = str(cfg.parallel.ep)
+        if pp is None and cfg.parallel.pp > 1:
+            pp = cfg.parallel.pp
+    pp = 1 if pp is None else pp
+    if not 1 <= pp <= world or world % pp:
+        fail(f"--pp: {pp} does not divide the {world} GPUs; pick a pp that divides them")
+    dp = world // pp
     try:
-        params = expert_params(spec)
+        seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
+        stages = expert_params(spec, pp, seq)
         if ep_text is None:
-            eps = [d for d in divisors(world) if params.n_experts % d == 0]
+            eps = [d for d in divisors(dp) if stages[0].n_experts % d == 0]
         else:
             eps = parse_ep(ep_text)
-        seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
         batch = global_batch if global_batch is not None else max(256, world)
-        rows = [expert_plan_row(params, ep, cluster, seq, -(-batch // world), imbalance) for ep in eps]
+        micro_batches = -(-batch // dp)  # one sequence per micro-batch
+        rows = [expert_plan_row(stages, ep, cluster, seq, micro_batches, imbalance) for ep in eps]
     except ValueError as e:
         fail(str(e))
     if as_json:
         click.echo(json.dumps({"model": name, "rows": [r.to_dict() for r in rows]}, indent=2))
         return
-    click.echo(render_expert_plan(name, cluster, seq, rows))
+    click.echo(render_expert_plan(name, cluster, seq, micro_batches, rows))
 
 
 def _config_world(cfg):

@@ -12,6 +12,7 @@ those of the tensors the trainer holds (tests/test_moe.py compares them with a r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -28,7 +29,8 @@ COMPUTE_BYTES = 2  # bf16 hidden states through the all-to-alls and bf16 gathere
 
 @dataclass(frozen=True)
 class ExpertParams:
-    """Parameter elements and tensors of a whole MoE model, split into the routed experts' and the rest."""
+    """Parameter elements and tensors of an MoE model (or of one pipeline rank's stage of it), split into the routed
+    experts' and the rest."""
 
     expert_shapes: tuple[tuple[int, ...], ...]  # stacked expert weights, dim 0 the expert
     other_shapes: tuple[tuple[int, ...], ...]
@@ -39,20 +41,35 @@ class ExpertParams:
     dim: int
 
 
-def expert_params(spec: ModelSpec) -> ExpertParams:
-    """The parameter shapes of `spec`'s model (built on meta); ValueError (one line) for a dense model."""
+def expert_params(spec: ModelSpec, pp: int = 1, seq_len: int | None = None) -> list[ExpertParams]:
+    """The parameter shapes of `spec`'s model (built on meta) on each of `pp` pipeline ranks, its blocks cut as the
+    trainer cuts them for `seq_len`-token samples (parallel/apply.py: split_layers of the spec's layer costs, the
+    default balance); ValueError (one line) for a dense model or a cut that cannot be made."""
+    from scaletrain.models.stages import split_layers
+
     n_experts = spec.n_experts
     if n_experts is None:
         raise ValueError(f"--ep: the {spec.model_name} model is dense (no experts); use --ep 1 or an MoE model")
     model = spec.build("meta")
-    layers = spec.expert_modules(model)
+    if pp == 1:
+        return [_part_params(spec, model, n_experts)]
+    spec.check_pp(pp)
+    costs = spec.layer_costs(seq_len or spec.max_seq_len or 0)
+    if pp > len(costs):
+        raise ValueError(f"--pp: {pp} pipeline stages need at least as many blocks (the model has {len(costs)})")
+    bounds = split_layers(costs, pp)
+    return [_part_params(spec, spec.stage(model, s, pp, bounds[s]), n_experts) for s in range(pp)]
+
+
+def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
+    layers = spec.expert_modules(part)
     expert_ids = {id(p) for layer in layers for p in cast(Any, layer).experts.parameters()}
     experts: list[tuple[int, ...]] = []
     other: list[tuple[int, ...]] = []
-    for p in model.parameters():
+    for p in part.parameters():
         (experts if id(p) in expert_ids else other).append(tuple(p.shape))
     blocks = []
-    for block in spec.blocks(model).values():
+    for block in spec.blocks(part).values():
         sizes = [(id(p) in expert_ids, p.numel()) for p in block.parameters()]
         blocks.append((sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)))
     args = spec.args
@@ -62,31 +79,38 @@ def expert_params(spec: ModelSpec) -> ExpertParams:
 
 
 def check_ep(params: ExpertParams, ep: int, world: int) -> None:
-    """ValueError (one line naming --ep) when ep cannot split these experts over `world` FSDP ranks."""
+    """ValueError (one line naming --ep) when ep cannot split these experts over `world` FSDP ranks (the GPUs of
+    one pipeline stage)."""
     if ep < 1:
         raise ValueError(f"--ep: must be at least 1 (got {ep})")
     if params.n_experts % ep:
         raise ValueError(f"--ep: {ep} does not divide the {params.n_experts} experts; pick an ep that divides it")
     if world % ep:
-        raise ValueError(f"--ep: {ep} does not divide the {world} GPUs it is carved from; pick an ep that divides it")
+        raise ValueError(
+            f"--ep: {ep} does not divide the {world} data-parallel GPUs it is carved from; pick an ep that divides it"
+        )
 
 
-def rank_param_elements(params: ExpertParams, ep: int, dp_shard: int) -> dict[str, int]:
+def rank_param_elements(params: ExpertParams, ep: int, dp_shard: int, fsdp: bool = True) -> dict[str, int]:
     """Parameter elements and tensors on the rank holding the most: experts (n_experts / ep of each stacked
-    weight, dim 0 then sharded by FSDP2 over dp_shard / ep) and the rest (dim 0 sharded over dp_shard)."""
-    experts = sum(
-        _shard_rows(s[0] // ep, dp_shard // ep) * math.prod(s[1:]) for s in params.expert_shapes if s
-    )  # fmt: skip
-    other = sum(_shard_rows(s[0], dp_shard) * math.prod(s[1:]) for s in params.other_shapes if s)
+    weight, dim 0 then sharded by FSDP2 over dp_shard / ep) and the rest (dim 0 sharded over dp_shard);
+    fsdp=False: the experts split by ep, nothing sharded by FSDP (the whole gradients FSDP2 keeps in a pipeline)."""
+    expert_parts, other_parts = (dp_shard // ep, dp_shard) if fsdp else (1, 1)
+    experts = sum(_shard_rows(s[0] // ep, expert_parts) * math.prod(s[1:]) for s in params.expert_shapes if s)
+    other = sum(_shard_rows(s[0], other_parts) * math.prod(s[1:]) for s in params.other_shapes if s)
     return {"experts": experts, "other": other, "tensors": len(params.expert_shapes) + len(params.other_shapes)}
 
 
-def model_state_bytes(params: ExpertParams, ep: int, dp_shard: int) -> dict[str, float]:
-    """Bytes of parameters, gradients and AdamW states on the rank holding the most, as the trainer keeps them: all
-    fp32, gradients sharded as the parameters, exp_avg and exp_avg_sq plus one fp32 step counter per tensor."""
+def model_state_bytes(params: ExpertParams, ep: int, dp_shard: int, pipelined: bool = False) -> dict[str, float]:
+    """Bytes of parameters, gradients and AdamW states on a rank, as the trainer keeps them: all fp32, exp_avg and
+    exp_avg_sq plus one fp32 step counter per tensor; gradients sharded as the parameters, or whole (the rank's
+    experts, every other tensor unsharded) in a pipeline of several micro-batches, where FSDP2 accumulates
+    without reducing until the last backward (plan/memory.py holds_unsharded_grads)."""
     n = rank_param_elements(params, ep, dp_shard)
     numel = n["experts"] + n["other"]
-    return {"parameters": 4.0 * numel, "gradients": 4.0 * numel, "optimizer states": 8.0 * numel + 4.0 * n["tensors"]}
+    whole = rank_param_elements(params, ep, dp_shard, fsdp=False) if pipelined else n
+    grads = 4.0 * (whole["experts"] + whole["other"])
+    return {"parameters": 4.0 * numel, "gradients": grads, "optimizer states": 8.0 * numel + 4.0 * n["tensors"]}
 
 
 def all_to_all_seconds(nbytes: float, ep: int, cluster: Cluster, imbalance: float = 1.0) -> float:
@@ -105,9 +129,11 @@ def all_to_all_seconds(nbytes: float, ep: int, cluster: Cluster, imbalance: floa
 
 @dataclass(frozen=True)
 class ExpertPlanRow:
-    """One expert-parallel layout: FSDP over `world` ranks with the experts split over `ep` of them."""
+    """One expert-parallel layout: pp pipeline stages, FSDP over the world / pp ranks of each, the experts split
+    over `ep` of those."""
 
     ep: int
+    pp: int
     expert_params_per_rank: int
     other_params_per_rank: int
     model_state_bytes: float  # parameters + gradients + AdamW states per rank, bytes
@@ -126,19 +152,45 @@ class ExpertPlanRow:
 
 
 def expert_plan_row(
-    params: ExpertParams,
+    stages: list[ExpertParams],
     ep: int,
     cluster: Cluster,
     tokens_per_micro_batch: int,
     micro_batches: int,
     imbalance: float = 1.0,
 ) -> ExpertPlanRow:
-    """Plan FSDP over every GPU of `cluster` with the experts split over `ep` ranks; `tokens_per_micro_batch`
-    tokens a rank routes per micro-batch, `micro_batches` per optimizer step."""
-    world = cluster.gpus
-    check_ep(params, ep, world)
-    n = rank_param_elements(params, ep, world)
-    state = sum(model_state_bytes(params, ep, world).values())
+    """Plan `len(stages)` pipeline stages (pp, outermost: parallel/dims.py) with FSDP over the world / pp GPUs of
+    each and its experts split over `ep` of them; `tokens_per_micro_batch` tokens a rank routes per micro-batch,
+    `micro_batches` per optimizer step. Each figure is the pipeline rank's that holds (or sends) the most."""
+    world, pp = cluster.gpus, len(stages)
+    if world % pp:
+        raise ValueError(f"--pp: {pp} does not divide the {world} GPUs; pick a pp that divides them")
+    dp = world // pp
+    rows = [_stage_row(p, ep, dp, cluster, tokens_per_micro_batch, micro_batches, imbalance, pp > 1) for p in stages]
+    held = max(rows, key=lambda r: r.model_state_bytes + r.gathered_bytes)
+    return dataclasses.replace(
+        held,
+        pp=pp,
+        a2a_bytes_per_layer=max(r.a2a_bytes_per_layer for r in rows),
+        a2a_seconds_per_step=max(r.a2a_seconds_per_step for r in rows),
+        fsdp_seconds_per_step=max(r.fsdp_seconds_per_step for r in rows),
+        fits=all(r.fits for r in rows),
+    )
+
+
+def _stage_row(
+    params: ExpertParams,
+    ep: int,
+    dp: int,
+    cluster: Cluster,
+    tokens_per_micro_batch: int,
+    micro_batches: int,
+    imbalance: float,
+    pipelined: bool,
+) -> ExpertPlanRow:
+    check_ep(params, ep, dp)
+    n = rank_param_elements(params, ep, dp)
+    state = sum(model_state_bytes(params, ep, dp, pipelined and micro_batches > 1).values())
     gathered = 2.0 * COMPUTE_BYTES * max((e / ep + o for e, o in params.block_elements), default=0.0)
     # every (token, choice) row leaves once for dispatch and comes back once for combine, again in backward
     message = tokens_per_micro_batch * params.top_k * params.dim * COMPUTE_BYTES
@@ -146,14 +198,15 @@ def expert_plan_row(
     expert_whole = sum(math.prod(s) for s in params.expert_shapes) / ep * COMPUTE_BYTES
     other_whole = sum(math.prod(s) for s in params.other_shapes) * COMPUTE_BYTES
     fsdp = 0.0
-    for whole, size, inner in ((expert_whole, world // ep, ep), (other_whole, world, 1)):
-        # per micro-batch (FSDP2 reshards after forward, reduce-scatters each backward): forward and backward
-        # all-gathers of the compute-dtype weights, the reduce-scatter of fp32 gradients
+    for whole, size, inner in ((expert_whole, dp // ep, ep), (other_whole, dp, 1)):
+        # forward and backward all-gathers of the compute-dtype weights per micro-batch (FSDP2 reshards after
+        # forward); the reduce-scatter of fp32 gradients per micro-batch, once per step inside a pipeline
         gathers = 2 * collective_seconds("all_gather", whole, size, inner, cluster)
         scatter = collective_seconds("reduce_scatter", 2 * whole, size, inner, cluster)
-        fsdp += micro_batches * float(np.asarray(gathers + scatter))
+        fsdp += float(np.asarray(micro_batches * gathers + (1 if pipelined else micro_batches) * scatter))
     return ExpertPlanRow(
         ep=ep,
+        pp=1,
         expert_params_per_rank=n["experts"],
         other_params_per_rank=n["other"],
         model_state_bytes=state,
@@ -176,12 +229,18 @@ def parse_ep(text: str) -> list[int]:
     return degrees
 
 
-def render_expert_plan(model: str, cluster: Cluster, seq_len: int, rows: list[ExpertPlanRow]) -> str:
+def render_expert_plan(
+    model: str, cluster: Cluster, seq_len: int, micro_batches: int, rows: list[ExpertPlanRow]
+) -> str:
     """The rows as the table `scaletrain plan` prints for an MoE model."""
     gb = 1e9
+    pp = rows[0].pp if rows else 1
+    stages = (
+        f"{pp} pipeline stages, FSDP over the {cluster.gpus // pp} GPUs of each" if pp > 1 else "FSDP over every GPU"
+    )
     lines = [
-        f"{model} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node), FSDP over every GPU, "
-        f"experts split over ep ranks; {seq_len}-token micro-batches of 1 sequence per GPU",
+        f"{model} on {cluster.gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node): {stages}, experts "
+        f"split over ep of them; {micro_batches} micro-batches of 1 {seq_len}-token sequence per step",
         "| ep | expert params/GPU | other params/GPU | model state GB | gathered GB | a2a MB/layer | a2a s/step "
         "| FSDP s/step | fits |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
