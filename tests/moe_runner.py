@@ -5,7 +5,8 @@
     torchrun --nproc-per-node 2 tests/moe_runner.py JOBS.json OUT_DIR
 
 JOBS.json: [{"name": "ep2", "overrides": ["parallel.ep=2", ...]}, ...]. Writes OUT_DIR/NAME/steps.json (rank 0:
-[{"loss", "sent", "moe_*"...} per step]) and OUT_DIR/NAME/state.pt (rank 0).
+[{"loss", "sent", "moe_*"...} per step]), OUT_DIR/NAME/ranks.json (each rank's parameter elements, the
+experts' and the rest, as held after sharding) and OUT_DIR/NAME/state.pt (rank 0).
 """
 
 from __future__ import annotations
@@ -31,8 +32,19 @@ def sent_over_ranks(trainer) -> int:
     return int(sent)
 
 
+def local_param_elements(module) -> dict[str, int]:
+    """Parameter elements this rank holds (its shard of each DTensor), the routed experts' and the rest."""
+    held = {"experts": 0, "other": 0}
+    for name, p in module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        held["experts" if ".experts." in name else "other"] += local.numel()
+    return held
+
+
 def run_job(overrides: list[str], out: Path, rt) -> None:
     trainer = Trainer.build(load_config(None, overrides), rt)
+    held = [None] * rt.world_size
+    dist.all_gather_object(held, local_param_elements(trainer.model.module))
     steps, before = [], 0
     for step in range(1, trainer.cfg.train.steps + 1):
         result = trainer.train_step(step)
@@ -45,6 +57,7 @@ def run_job(overrides: list[str], out: Path, rt) -> None:
     if rt.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "steps.json").write_text(json.dumps(steps))
+        (out / "ranks.json").write_text(json.dumps(held))
         torch.save(state, out / "state.pt")
 
 

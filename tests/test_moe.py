@@ -1,14 +1,18 @@
 """The built-in mixture-of-experts family and expert parallelism (fp32, CPU ranks over gloo, fixed seed).
 
 One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every job of that size: EP 2, and
-EP 2 x FSDP 2, EP 2 x HSDP 2x2 and EP 2 x PP 2 on 4 ranks, must give the per-step losses and final parameters of one process within 1e-5, dropless and with
-a capacity factor (the one process accumulating the same per-rank micro-batches, so each expert's capacity is
-taken over the same tokens); every rank's all-to-all must carry exactly the (token, expert) pairs the routers
-kept. A checkpoint saved under EP 2 resumes under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing and the refusals run in this process."""
+EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2 and EP 2 x CP 2 on 4 ranks, must give the per-step losses and final parameters of
+one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
+micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
+exactly the (token, expert) pairs the routers kept. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
+checkpoints resume under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing
+and the refusals run in this process."""
 
 import json
 import math
-import shutil
+import os
+import signal
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +22,12 @@ import torch
 from click.testing import CliRunner
 
 from conftest import FAST, losses, run_cli, torchrun
+from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.cli.main import main
 from scaletrain.models.moe import PRESETS, MoESpec
 from scaletrain.models.moe.balance import balance_experts
+from scaletrain.plan.experts import expert_params, model_state_bytes, rank_param_elements
+from test_checkpoint import _resume_copy, _start, _wait_for_step, _workers
 
 TOL = 1e-5
 RUNNER = Path(__file__).resolve().parent / "moe_runner.py"
@@ -34,6 +41,7 @@ JOBS = {
         "ep2_fsdp2": ["parallel.ep=2"],
         "ep2_hsdp2x2": ["parallel.ep=2", "parallel.dp_replicate=2"],
         "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],  # rank 0's state: the first stage's parameters
+        "ep2_cp2": ["parallel.ep=2", "parallel.cp=2"],  # experts sharded by FSDP over dp_shard / ep x cp
     },
 }
 
@@ -152,6 +160,82 @@ def test_expert_load_metrics_are_logged(runs):
         assert step["moe_busiest_expert"] in range(PRESETS["moe-tiny"].n_experts)
 
 
+LAYOUT_DEGREES = {"ep2": (2, 2, 1), "ep2_fsdp2": (2, 4, 1), "ep2_hsdp2x2": (2, 2, 1), "ep2_pp2": (2, 2, 2)}
+LAYOUT_DEGREES["ep2_cp2"] = (2, 4, 1)  # FSDP over dp_shard x cp, the experts over dp_shard / ep x cp
+
+
+@pytest.mark.parametrize(
+    "name", ["ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in LAYOUT_DEGREES if n in JOBS[4])]
+)
+def test_planned_parameters_per_rank_are_the_trainers(runs, name):
+    """The planner's per-rank parameter bytes under EP (plan/experts.py: experts split by ep, then sharded by FSDP
+    over dp_shard / ep; the rest by dp_shard; a pipeline stage's blocks cut as the trainer cuts them) are those of
+    the tensors the trainer's rank 0 holds, and of the rank holding the most."""
+    ep, dp_shard, pp = LAYOUT_DEGREES[name]
+    runs[name]
+    held = json.loads((runs.cwd / name / "ranks.json").read_text())
+    stages = expert_params(MoESpec(PRESETS["moe-tiny"]), pp, SEQ)
+    planned = rank_param_elements(stages[0], ep, dp_shard)  # rank 0: the first stage
+    assert held[0]["experts"] == planned["experts"] and held[0]["other"] == planned["other"], (held, planned)
+    most = max(model_state_bytes(s, ep, dp_shard)["parameters"] for s in stages)
+    assert most == 4.0 * max(r["experts"] + r["other"] for r in held)
+    whole = rank_param_elements(expert_params(MoESpec(PRESETS["moe-tiny"]))[0], 1, 1)  # one process
+    assert sum(rank_param_elements(s, ep, dp_shard)["experts"] for s in stages) * dp_shard == whole["experts"]
+
+
+def test_plan_prices_expert_parallelism_and_refuses_what_it_cannot_plan(tmp_path, monkeypatch):
+    """`scaletrain plan` on an MoE preset: a row per ep with the experts' memory split and the all-to-all priced
+    (none without EP, more bytes the more ranks hold other experts); bad --ep or layouts: one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["ep"]: r for r in json.loads(result.stdout)["rows"]}
+    assert sorted(rows) == [1, 2, 4, 8, 16]
+    assert rows[1]["a2a_seconds_per_step"] == 0 < rows[2]["a2a_seconds_per_step"] < rows[16]["a2a_seconds_per_step"]
+    assert rows[2]["a2a_bytes_per_layer"] < rows[8]["a2a_bytes_per_layer"]  # (ep-1)/ep of the rows leave the rank
+    assert rows[8]["gathered_bytes"] < rows[1]["gathered_bytes"]  # FSDP gathers only the rank's experts
+    assert rows[8]["fsdp_seconds_per_step"] < rows[1]["fsdp_seconds_per_step"]
+    table = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--ep", "8"])
+    assert table.exit_code == 0 and "| 8 |" in table.stdout and "| 1 |" not in table.stdout, table.output
+    piped = CliRunner().invoke(main, ["plan", "--model", "moe-16b", "--gpus", "16", "--pp", "2", "--json"])
+    assert piped.exit_code == 0, piped.output
+    by_ep = {r["ep"]: r for r in json.loads(piped.stdout)["rows"]}
+    assert sorted(by_ep) == [1, 2, 4, 8] and by_ep[8]["pp"] == 2
+    # the same parameters per GPU (half the blocks, half the FSDP ranks), but FSDP2 keeps a stage's whole gradients
+    # across a pipeline's micro-batches
+    assert by_ep[8]["model_state_bytes"] > rows[8]["model_state_bytes"]
+    for args, field in (
+        (["--model", "llama-8b", "--ep", "2"], "--ep"),  # dense
+        (["--model", "llama-8b", "--pp", "2"], "--pp"),
+        (["--model", "moe-16b", "--pp", "3"], "--pp"),
+        (["--model", "moe-16b", "--ep", "3"], "--ep"),  # 3 does not divide 64 experts
+        (["--model", "moe-16b", "--ep", "two"], "--ep"),
+        (["--model", "moe-16b", "--cp", "2"], "--cp"),
+        (["--model", "moe-16b", "--moe-imbalance", "0.5"], "--moe-imbalance"),
+        (["model.name=moe-tiny", "parallel.tp=2"], "parallel.tp"),
+    ):
+        bad = CliRunner().invoke(main, ["plan", *args, "--gpus", "16"])
+        assert bad.exit_code == 2, (args, bad.output)
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0], (args, lines)
+
+
+@pytest.mark.slow  # builds and cuts the 672B model on meta (~4 s)
+def test_deepseek_v3_published_layout_is_planned(tmp_path, monkeypatch):
+    """DeepSeek-V3's layout (2,048 H800, PP 16, EP 64; docs/planner.md) through the CLI: the busiest stage holds 4
+    MoE blocks of 256 / 64 experts, sharded by FSDP over the 128 / 64 ranks holding the same ones; the unhidden
+    all-to-all is about the reported step time (180K GPU hours per 10^12 tokens: ~19.9 s a 62.9M-token step)."""
+    cluster = Path(__file__).resolve().parents[1] / "examples/deepseek-v3-cluster.toml"
+    argv = ["plan", "--model", "moe-671b", "--cluster", str(cluster), "--gpus", "2048", "--pp", "16", "--ep", "64"]
+    result = CliRunner().invoke(main, [*argv, "--seq-len", "4096", "--global-batch", "15360", "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["rows"]
+    assert row["pp"] == 16 and row["fits"]
+    assert row["expert_params_per_rank"] == 4 * (256 // 64) * 3 * 7168 * 2048 // 2
+    reported_step = 15360 * 4096 / (1e12 / (180e3 / 2048 * 3600))
+    assert 0.8 < row["a2a_seconds_per_step"] / reported_step < 1.2, (row, reported_step)
+
+
 BAD = [
     (["parallel.ep=2"], "parallel.ep"),  # the dense built-in Llama
     (["model.name=moe-tiny", "parallel.ep=3"], "parallel.ep"),  # 3 does not divide the 8 experts
@@ -172,28 +256,43 @@ def test_bad_expert_input_is_one_line_exit_2(tmp_path, monkeypatch, args, field)
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow  # two `scaletrain train` launches
-def test_checkpoint_under_ep2_resumes_without_expert_parallelism(tmp_path):
-    """A checkpoint saved with the experts split over 2 ranks (DTensors sharded on the expert dim, FSDP inside)
-    loads into plain FSDP 2 and trains on with the losses the EP run had."""
-    job = [
-        *BASE,
-        "train.steps=6",
-        "train.eval_interval=0",
-        "checkpoint.interval_steps=3",
-        "checkpoint.keep=0",
-        f"run.output_dir={tmp_path / 'runs'}",
-    ]
-    run_cli(["train", *job, "run.name=ep2", "parallel.ep=2"], tmp_path)
-    saved = tmp_path / "runs/ep2/checkpoints"
-    for folder in saved.iterdir():  # as if the run had stopped after step 3
-        shutil.copytree(folder, tmp_path / "runs/plain/checkpoints" / folder.name)
-    proc = run_cli(["train", *job, "run.name=plain"], tmp_path)
-    assert "at step 3" in proc.stderr
-    want, got = losses(tmp_path / "runs/ep2"), losses(tmp_path / "runs/plain")
-    assert len(want) == 6 and len(got) == 3
-    for step, (a, b) in enumerate(zip(want[3:], got, strict=True), 4):
-        assert abs(a - b) <= TOL, f"step {step}: {b} after resharding vs {a} under ep 2"
+@pytest.mark.slow  # three launches and a restart
+def test_ep2_resumes_bit_identical_after_sigkill_and_reshards_to_no_ep(tmp_path):
+    """Under EP 2 (experts as DTensors sharded on the expert dim, FSDP inside): a rank SIGKILLed mid-run restarts
+    from the last checkpoint and ends with the uninterrupted run's weights and losses bit for bit; the same
+    checkpoints load into plain FSDP 2 (no expert parallelism, same world) and train on with the EP run's losses."""
+    steps = 8
+    job = [*BASE, f"train.steps={steps}", "train.eval_interval=0", "checkpoint.interval_steps=2"]
+    job += ["checkpoint.keep=0", "checkpoint.save_final=true", "parallel.ep=2"]
+    run_cli(["train", *job, "run.name=clean"], tmp_path)
+    clean = tmp_path / "runs/clean"
+    proc = _start(["train", *job, "run.name=killed", "launch.max_restarts=2"], tmp_path)
+    reached = _wait_for_step(tmp_path / "runs/killed", 3, proc)
+    committed = tmp_path / "runs/killed/checkpoints/step_00000002"
+    deadline = time.monotonic() + 120
+    while not committed.is_dir() and time.monotonic() < deadline:  # the kill must find a checkpoint to resume
+        time.sleep(0.02)
+    victims = _workers(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
+    assert reached < steps
+    final = f"checkpoints/step_{steps:08d}"
+    want, _ = load_full_model_state(clean / final)
+    got, _ = load_full_model_state(tmp_path / "runs/killed" / final)
+    assert got.keys() == want.keys() and any("experts" in name for name in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs after the SIGKILL restart"
+    assert losses(tmp_path / "runs/killed") == losses(clean)
+    # ep 2 -> no EP: the step-4 checkpoint, as if the run had stopped there, resumed under plain FSDP 2
+    _resume_copy(clean, tmp_path / "runs/plain", 4)
+    proc2 = run_cli(["train", *[o for o in job if o != "parallel.ep=2"], "run.name=plain"], tmp_path)
+    assert "at step 4" in proc2.stderr, proc2.stderr[-3000:]
+    ref, resumed = losses(clean), losses(tmp_path / "runs/plain")
+    assert len(ref) == steps and len(resumed) == steps - 4
+    for step, (a, b) in enumerate(zip(ref[4:], resumed, strict=True), 5):
+        assert abs(a - b) <= TOL, f"step {step}: {b} after resharding to no EP vs {a} under ep 2"
 
 
 @pytest.mark.slow  # two `scaletrain train` launches

@@ -105,6 +105,27 @@ def _hf_shape(path: str):
 )
 @click.option("--schedules", default=None, help="Pipeline schedules to search (default: all).")
 @click.option("--cp", "cp_text", default=None, help="Context-parallel degrees to search, e.g. 1,2,4 (default: auto).")
+@click.option(
+    "--ep",
+    "ep_text",
+    default=None,
+    help="Expert-parallel degrees to plan for an MoE model, e.g. 1,8 (default: every one dividing its experts and "
+    "the GPUs).",
+)
+@click.option(
+    "--pp",
+    "moe_pp",
+    type=int,
+    default=None,
+    help="Pipeline stages of an MoE plan (default 1; dense plans search pp, a job config pins it).",
+)
+@click.option(
+    "--moe-imbalance",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Tokens the busiest expert-parallel rank receives, x its even share (MoE plans).",
+)
 @click.option("--top", type=int, default=10, show_default=True, help="Rows in the table.")
 @click.option("--tokens", "tokens_text", default=None, help="Token budget for time, cost and energy, e.g. 15T.")
 @click.option("--compare-gpus", default=None, help="GPU types to compare for --tokens, e.g. h100-sxm,l40s.")
@@ -139,6 +160,9 @@ def plan(
     ac_modes,
     schedules,
     cp_text,
+    ep_text,
+    moe_pp,
+    moe_imbalance,
     top,
     tokens_text,
     compare_gpus,
@@ -212,6 +236,25 @@ def plan(
         cluster = cluster_for(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     except ValueError as e:
         fail(str(e))
+    if factory is None and not use_trace:
+        moe = _moe_spec(config if config_model else None, model, hf_path, params, ep_text)
+        if moe is None and moe_pp is not None:
+            fail("--pp: pins the pipeline degree of an MoE plan; a dense plan searches it (pin it in a job config)")
+        if moe is not None:
+            _plan_experts(
+                moe,
+                model,
+                config if config_model else None,
+                ep_text,
+                moe_pp,
+                cp_text,
+                moe_imbalance,
+                cluster,
+                seq_len,
+                global_batch,
+                as_json,
+            )
+            return
     if factory is not None or use_trace or (config_model and shape is None):
         # a model the decoder formulas do not describe (or asked for): planned from its trace
         _plan_from_trace(
@@ -359,6 +402,67 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
         click.echo(json.dumps(plan.to_dict(), indent=2))
         return
     print_traced_plan(plan)
+
+
+def _moe_spec(cfg, model, hf_path, params, ep_text):
+    """The spec of the mixture-of-experts model to plan with expert parallelism (the job config's, else the preset
+    --model names); None for a dense model, refused in one line when --ep asks for expert parallelism."""
+    from scaletrain.models.registry import model_spec, preset_spec, presets
+
+    if hf_path is not None or params is not None:
+        if ep_text is not None:
+            fail("--ep: plans the built-in MoE presets (--model moe-...) and MoE job configs; drop --hf / --params")
+        return None
+    try:
+        spec = model_spec(cfg.model) if cfg is not None else preset_spec(model) if model in presets() else None
+    except ValueError as e:
+        fail(str(e))
+    if spec is not None and spec.n_experts is not None:
+        return spec
+    if ep_text is not None:
+        fail(f"--ep: the {model} model is dense (no experts); drop --ep or plan an MoE preset (moe-...)")
+    return None
+
+
+def _plan_experts(spec, model, cfg, ep_text, pp, cp_text, imbalance, cluster, seq_len, global_batch, as_json):
+    """Plan `pp` pipeline stages with FSDP over the GPUs of each and the experts of `spec` split over each
+    expert-parallel degree asked (plan/experts.py); print the rows; one line for what it cannot plan."""
+    from scaletrain.plan.experts import expert_params, expert_plan_row, parse_ep, render_expert_plan
+    from scaletrain.plan.search import divisors
+
+    if cp_text is not None:
+        fail("--cp: an expert-parallel plan covers FSDP, pipelines and EP; drop --cp")
+    if not imbalance >= 1.0:
+        fail(f"--moe-imbalance: must be at least 1.0 (the even share); got {imbalance:g}")
+    world, name = cluster.gpus, model if cfg is None else cfg.model.name
+    if cfg is not None:
+        for key in ("dp_replicate", "tp", "cp"):
+            if getattr(cfg.parallel, key) > 1:
+                fail(f"parallel.{key}: an expert-parallel plan covers FSDP, pipelines and EP; set parallel.{key}=1")
+        if ep_text is None and "ep" in cfg.parallel.model_fields_set:
+            ep_text = str(cfg.parallel.ep)
+        if pp is None and cfg.parallel.pp > 1:
+            pp = cfg.parallel.pp
+    pp = 1 if pp is None else pp
+    if not 1 <= pp <= world or world % pp:
+        fail(f"--pp: {pp} does not divide the {world} GPUs; pick a pp that divides them")
+    dp = world // pp
+    try:
+        seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
+        stages = expert_params(spec, pp, seq)
+        if ep_text is None:
+            eps = [d for d in divisors(dp) if stages[0].n_experts % d == 0]
+        else:
+            eps = parse_ep(ep_text)
+        batch = global_batch if global_batch is not None else max(256, world)
+        micro_batches = -(-batch // dp)  # one sequence per micro-batch
+        rows = [expert_plan_row(stages, ep, cluster, seq, micro_batches, imbalance) for ep in eps]
+    except ValueError as e:
+        fail(str(e))
+    if as_json:
+        click.echo(json.dumps({"model": name, "rows": [r.to_dict() for r in rows]}, indent=2))
+        return
+    click.echo(render_expert_plan(name, cluster, seq, micro_batches, rows))
 
 
 def _config_world(cfg):

@@ -13,6 +13,9 @@ FSDP_SHARD_DIM = "dp_shard_cp"
 # Expert parallelism splits dp_shard into (dp_shard / ep) x ep (torchtitan's carving): the ep ranks exchange tokens,
 # the experts' weights are sharded by FSDP over the EXPERT_SHARD_DIM ranks that hold the same experts
 EXPERT_SHARD_DIM = "dp_shard_mod_ep"
+# with context parallelism too, the ranks holding the same experts are EXPERT_SHARD_DIM x cp (cp ranks see other
+# tokens of the same sequences, routed like any others): the experts' FSDP dim, flattened across ep
+EXPERT_CP_SHARD_DIM = "dp_shard_mod_ep_cp"
 
 
 def build_mesh(layout: Layout, device_type: str):
@@ -23,12 +26,14 @@ def build_mesh(layout: Layout, device_type: str):
 
     sizes = layout.sizes()
     if layout.ep > 1:  # dp_shard becomes a flattened dim over (dp_shard / ep) x ep, both kept even when 1
-        # cp > 1 with ep is refused before launch (resolve/checks.py)
-        order = ("pp", "dp_replicate", EXPERT_SHARD_DIM, "ep", "tp")
+        order = ("pp", "dp_replicate", EXPERT_SHARD_DIM, "ep", "cp", "tp")
         sizes.update({EXPERT_SHARD_DIM: layout.dp_shard // layout.ep, "ep": layout.ep})
         names = [n for n in order if sizes[n] > 1 or n in (EXPERT_SHARD_DIM, "ep")]
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names))
         mesh[EXPERT_SHARD_DIM, "ep"]._flatten("dp_shard")
+        if layout.cp > 1:  # torch 2.13 slices and flattens dims that are not adjacent (ep lies between)
+            mesh[EXPERT_SHARD_DIM, "ep", "cp"]._flatten(FSDP_SHARD_DIM)
+            mesh[EXPERT_SHARD_DIM, "cp"]._flatten(EXPERT_CP_SHARD_DIM)
         return mesh
     names = [n for n in MESH_ORDER if sizes[n] > 1]
     if not names:
@@ -63,6 +68,11 @@ def dp_coordinates(layout: Layout, mesh) -> tuple[int, int]:
 
 
 def expert_fsdp_mesh(layout: Layout, mesh):
-    """The mesh FSDP2 shards the experts' weights over under expert parallelism: the dp_shard / ep ranks holding
-    the same experts, with dp_replicate outside it for HSDP."""
-    return mesh["dp_replicate", EXPERT_SHARD_DIM] if layout.dp_replicate > 1 else mesh[EXPERT_SHARD_DIM]
+    """The mesh FSDP2 shards the experts' weights over under expert parallelism: the dp_shard / ep (x cp) ranks
+    holding the same experts, with dp_replicate outside it for HSDP."""
+    import warnings
+
+    shard = EXPERT_CP_SHARD_DIM if layout.cp > 1 else EXPERT_SHARD_DIM
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # as in fsdp_mesh
+        return mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]

@@ -97,12 +97,11 @@ def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
             f"parallel.ep: {ep} does not divide the {layout.dp_shard} dp_shard ranks it is carved from; "
             f"pick an ep that divides parallel.dp_shard"
         )
-    for name, degree in (("cp", layout.cp), ("tp", layout.tp)):
-        if degree > 1:
-            raise ValueError(
-                f"parallel.ep: not combined with parallel.{name}={degree} yet (expert parallelism runs with "
-                f"FSDP, HSDP and pipelines); use parallel.{name}=1 or parallel.ep=1"
-            )
+    if layout.tp > 1:
+        raise ValueError(
+            f"parallel.ep: not combined with parallel.tp={layout.tp} yet (expert parallelism runs with FSDP, HSDP, "
+            f"pipelines and context parallelism); use parallel.tp=1 or parallel.ep=1"
+        )
 
 
 def check_context_parallel(cfg: JobConfig, spec: ModelSpec, layout: Layout) -> None:

@@ -124,12 +124,15 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
+    """SwiGLU MLP of hidden size `hidden_dim` (default: args.ffn_dim)."""
+
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True, hidden_dim: int | None = None):
         super().__init__()
         self.lean_activations = lean_activations
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        hidden = args.ffn_dim if hidden_dim is None else hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lean_activations:
@@ -138,12 +141,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs, lean_activations: bool = True):
+    def __init__(self, args: LlamaArgs, lean_activations: bool = True, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args, lean_activations)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args, lean_activations)
+        self.feed_forward = FeedForward(args, lean_activations) if feed_forward is None else feed_forward
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
@@ -154,6 +157,9 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    """The decoder. A family that changes only the blocks' MLP (models/moe/: routed experts) subclasses it and
+    overrides `feed_forward`; everything else (embeddings, RoPE, document masks, stages, CP) stays this code."""
+
     rope_cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
     rope_sin: torch.Tensor
 
@@ -162,7 +168,12 @@ class Llama(nn.Module):
         args.check()
         self.args = args
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, lean_activations) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerBlock(args, lean_activations, self.feed_forward(i, lean_activations))
+                for i in range(args.n_layers)
+            }
+        )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -170,6 +181,10 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # global position of each local token when context parallelism hands this rank a part of the sequence
         self.positions: torch.Tensor | None = None
+
+    def feed_forward(self, layer_id: int, lean_activations: bool) -> nn.Module:
+        """The MLP of block `layer_id`, (B, S, dim) -> (B, S, dim): a SwiGLU of args.ffn_dim here."""
+        return FeedForward(self.args, lean_activations)
 
     def init_buffers(self) -> None:
         """Recompute the rotary tables, e.g. after `to_empty()` on a model built on the meta device."""

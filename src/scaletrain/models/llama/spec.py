@@ -23,12 +23,19 @@ if TYPE_CHECKING:
     from scaletrain.models.llama.model import Llama
 
 
-class LlamaSpec(ModelSpec):
-    family = "llama"
-    args_type = LlamaArgs
-    packs_documents = True
+class LlamaDecoderSpec(ModelSpec):
+    """The answers every decoder built on model.py's `Llama` shares (the built-in Llama, and the MoE family that
+    swaps its MLP): building, buffers, blocks, pipeline stages, context parallelism. A subclass names its model
+    class (`model_type`) and answers the rest (init, TP, export, numbers)."""
 
-    args: LlamaArgs
+    packs_documents = True
+    supports_cp = True
+
+    def model_type(self) -> type[Llama]:
+        """The nn.Module class `build` makes from `args` (imported here: importing a family imports no torch)."""
+        from scaletrain.models.llama.model import Llama
+
+        return Llama
 
     def check(self) -> None:
         self.args.check()
@@ -36,18 +43,8 @@ class LlamaSpec(ModelSpec):
     def build(self, device: torch.device | str = "meta") -> Llama:
         import torch
 
-        from scaletrain.models.llama.model import Llama
-
         with torch.device(device):
-            return Llama(self.args)
-
-    def param_init_std(self, name: str) -> float | None:
-        from scaletrain.models.llama.model import param_init_std
-
-        return param_init_std(name, self.args)
-
-    def lora_targets(self) -> list[str]:
-        return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]  # attention and SwiGLU projections (model.py)
+            return self.model_type()(self.args)
 
     def init_buffers(self, model: nn.Module) -> None:
         from scaletrain.models.llama.model import Llama
@@ -66,19 +63,6 @@ class LlamaSpec(ModelSpec):
     def has_output(self, model: nn.Module) -> bool:
         return getattr(model, "output", None) is not None
 
-    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
-        a = self.args
-        check_tp_divides(
-            tp, words, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim, vocab_size=a.vocab_size
-        )
-
-    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
-        from scaletrain.models.llama.parallelize import llama_tp_plan
-
-        return llama_tp_plan(cast("Llama", model), sequence_parallel, loss_parallel)
-
-    supports_cp = True
-
     def context_parallel(
         self, model: nn.Module, make_core: Callable[[nn.Module], nn.Module], positions: torch.Tensor
     ) -> None:
@@ -89,6 +73,32 @@ class LlamaSpec(ModelSpec):
                 m.positions = positions
             elif isinstance(m, Attention):
                 m.core = make_core(m.core)
+
+
+class LlamaSpec(LlamaDecoderSpec):
+    family = "llama"
+    args_type = LlamaArgs
+
+    args: LlamaArgs
+
+    def param_init_std(self, name: str) -> float | None:
+        from scaletrain.models.llama.model import param_init_std
+
+        return param_init_std(name, self.args)
+
+    def lora_targets(self) -> list[str]:
+        return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]  # attention and SwiGLU projections (model.py)
+
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+        a = self.args
+        check_tp_divides(
+            tp, words, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn_dim, dim=a.dim, vocab_size=a.vocab_size
+        )
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        from scaletrain.models.llama.parallelize import llama_tp_plan
+
+        return llama_tp_plan(cast("Llama", model), sequence_parallel, loss_parallel)
 
     def shape(self) -> DecoderShape:
         return self.args

@@ -49,6 +49,24 @@ PRESETS: dict[str, MoEArgs] = {
         n_dense_layers=1,
         ffn_dim=10944,
     ),  # fmt: skip
+    # DeepSeek-V3's shape (config.json of deepseek-ai/DeepSeek-V3; arXiv 2412.19437 §4.2: 61 blocks, the first 3
+    # dense, 256 routed experts of 2048 + 1 shared, top 8, sigmoid scores, 4K-token pre-training sequences) on
+    # multi-head attention of the same width instead of MLA (~205M instead of ~187M parameters a block) and without
+    # the multi-token-prediction module: 672B parameters against the published 671B. For planning, built on meta
+    "moe-671b": MoEArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        vocab_size=129280,
+        max_seq_len=4096,
+        n_experts=256,
+        top_k=8,
+        expert_dim=2048,
+        n_shared_experts=1,
+        n_dense_layers=3,
+        ffn_dim=18432,
+    ),  # fmt: skip
 }
 
 __all__ = ["PRESETS", "SPEC", "MoEArgs", "MoESpec"]

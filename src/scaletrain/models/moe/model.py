@@ -1,5 +1,5 @@
-"""A DeepSeek-style mixture-of-experts decoder: the built-in Llama's attention (RMSNorm, rotary embeddings, GQA)
-with each MLP after the first n_dense_layers replaced by a top-k routed set of fine-grained SwiGLU experts plus
+"""A DeepSeek-style mixture-of-experts decoder: the built-in Llama (models/llama/model.py: attention, RoPE, document
+masks, stages) with each MLP after the first n_dense_layers replaced by a top-k routed set of fine-grained SwiGLU experts plus
 shared experts.
 
 Routing works on whole tensors: the (token, choice) pairs are sorted by expert (one argsort), gathered, run through
@@ -14,14 +14,14 @@ parallelism each rank holds a contiguous slice of the experts (a DTensor sharded
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.document_attention import DocumentMask, document_mask
-from scaletrain.models.llama.model import Attention, precompute_rope
+from scaletrain.models.llama.model import FeedForward, Llama
+from scaletrain.models.llama.model import param_init_std as llama_param_init_std
 from scaletrain.models.moe.args import MoEArgs
 
 
@@ -81,17 +81,6 @@ class _AuxLoss(torch.autograd.Function):
         return grad, torch.ones(ctx.aux_shape, device=grad.device)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class MoEFeedForward(nn.Module):
     """Router + routed experts + shared experts of one block; counts each expert's load while training."""
 
@@ -99,12 +88,17 @@ class MoEFeedForward(nn.Module):
     tokens_per_expert: torch.Tensor
     dropped_tokens: torch.Tensor
 
-    def __init__(self, args: MoEArgs, layer_id: int):
+    def __init__(self, args: MoEArgs, layer_id: int, lean_activations: bool = True):
         super().__init__()
         self.args, self.layer_id = args, layer_id
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_dim)
-        self.shared = SwiGLU(args.dim, args.expert_dim * args.n_shared_experts) if args.n_shared_experts else None
+        shared_dim = args.expert_dim * args.n_shared_experts
+        self.shared = (
+            FeedForward(args, lean_activations, hidden_dim=shared_dim)  # type: ignore[arg-type]  # reads dim
+            if args.n_shared_experts
+            else None
+        )
         # selection bias of the auxiliary-loss-free balancing: picks experts, never weighs them (DeepSeek-V3)
         self.register_buffer("expert_bias", torch.zeros(args.n_experts))
         # load since the last optimizer step (ModelSpec.after_optimizer_step reads and clears them)
@@ -165,72 +159,23 @@ class MoEFeedForward(nn.Module):
         return out.view(shape)
 
 
-class MoEBlock(nn.Module):
-    def __init__(self, args: MoEArgs, layer_id: int):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)  # type: ignore[arg-type]  # reads dim, heads, head_dim: MoEArgs has them
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward: nn.Module = (
-            MoEFeedForward(args, layer_id) if args.is_moe_layer(layer_id) else SwiGLU(args.dim, args.ffn_dim)
-        )
+class MoETransformer(Llama):
+    """The built-in Llama with MoEFeedForward as the MLP of blocks n_dense_layers.. (the first ones keep the dense
+    SwiGLU of ffn_dim): parameter names, forward, RoPE, document masks, stages and CP are Llama's."""
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def __init__(self, args: MoEArgs, lean_activations: bool = True):
+        super().__init__(args, lean_activations)  # type: ignore[arg-type]  # MoEArgs has every field Llama reads
 
-
-class MoETransformer(nn.Module):
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
-
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        args.check()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.positions: torch.Tensor | None = None  # context parallelism: global position of each local token
-
-    def init_buffers(self) -> None:
-        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
-        with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
-
-    def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V); on a pipeline stage, hidden states in and/or out."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = self.rope_cos, self.rope_sin
-        if positions is not None:
-            cos, sin = cos[positions], sin[positions]
-        elif self.positions is not None:
-            cos, sin = cos[self.positions], sin[self.positions]
-        mask = document_mask(documents) if documents is not None else None
-        for layer in self.layers.values():
-            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+    def feed_forward(self, layer_id: int, lean_activations: bool) -> nn.Module:
+        args = cast(MoEArgs, self.args)
+        if args.is_moe_layer(layer_id):
+            return MoEFeedForward(args, layer_id, lean_activations)
+        return FeedForward(self.args, lean_activations)
 
 
 def param_init_std(name: str, args: MoEArgs) -> float | None:
-    """Initial std of a parameter by its name; None: ones (norm weights)."""
-    if name.endswith("norm.weight"):
-        return None
-    if "tok_embeddings" in name:
-        return 1.0
-    if name.startswith("output") or ".output." in name:
-        return args.dim**-0.5
-    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):  # residual projections scaled by depth
+    """Initial std of a parameter by its name; None: ones (norm weights). Llama's, with the stacked experts' down
+    projection scaled by depth as every residual projection is."""
+    if name.endswith("experts.w2"):
         return 0.02 / math.sqrt(2 * args.n_layers)
-    return 0.02
+    return llama_param_init_std(name, args)  # type: ignore[arg-type]  # reads dim and n_layers

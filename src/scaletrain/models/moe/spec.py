@@ -2,37 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
+from scaletrain.models.llama.spec import LlamaDecoderSpec
 from scaletrain.models.moe.args import MoEArgs
-from scaletrain.models.spec import ModelSpec, prune_stage
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from scaletrain.models.moe.model import MoETransformer
 
 
-class MoESpec(ModelSpec):
+class MoESpec(LlamaDecoderSpec):
+    """Llama's decoder answers (build, stages, CP: models/llama/spec.py) with routed experts in the MLPs."""
+
     family = "moe"
     args_type = MoEArgs
-    packs_documents = True
-    supports_cp = True
 
     args: MoEArgs
 
-    def check(self) -> None:
-        self.args.check()
-
-    def build(self, device: torch.device | str = "meta") -> MoETransformer:
-        import torch
-
+    def model_type(self) -> type[MoETransformer]:
         from scaletrain.models.moe.model import MoETransformer
 
-        with torch.device(device):
-            return MoETransformer(self.args)
+        return MoETransformer
 
     def param_init_std(self, name: str) -> float | None:
         from scaletrain.models.moe.model import param_init_std
@@ -40,36 +32,15 @@ class MoESpec(ModelSpec):
         return param_init_std(name, self.args)
 
     def init_buffers(self, model: nn.Module) -> None:
-        from scaletrain.models.moe.model import MoEFeedForward, MoETransformer
+        from scaletrain.models.moe.model import MoEFeedForward
 
+        super().init_buffers(model)
         for m in model.modules():
-            if isinstance(m, (MoETransformer, MoEFeedForward)):
+            if isinstance(m, MoEFeedForward):
                 m.init_buffers()
-
-    def blocks(self, model: nn.Module) -> nn.ModuleDict:
-        return cast("MoETransformer", model).layers
-
-    def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
-        drop = (() if stage == 0 else ("tok_embeddings",)) + (() if stage == n_stages - 1 else ("norm", "output"))
-        return prune_stage(model, "layers", bounds, drop)
-
-    def has_output(self, model: nn.Module) -> bool:
-        return getattr(model, "output", None) is not None
 
     def lora_targets(self) -> list[str]:
         return ["wq", "wk", "wv", "wo"]  # attention projections (the experts' weights are stacked, not Linear)
-
-    def context_parallel(
-        self, model: nn.Module, make_core: Callable[[nn.Module], nn.Module], positions: torch.Tensor
-    ) -> None:
-        from scaletrain.models.llama.model import Attention
-        from scaletrain.models.moe.model import MoETransformer
-
-        for m in list(model.modules()):
-            if isinstance(m, MoETransformer):
-                m.positions = positions
-            elif isinstance(m, Attention):
-                m.core = make_core(m.core)
 
     # -- experts ----------------------------------------------------------------------------------------------
     @property
