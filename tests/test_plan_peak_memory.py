@@ -28,6 +28,8 @@ LAYOUTS = {
     "ddp2": ["parallel.dp_replicate=2", "parallel.dp_shard=1"],
     "fsdp2": ["parallel.dp_shard=2"],
 }
+TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
+TP_FAMILIES = ("llama", "vit")
 
 pytestmark = pytest.mark.slow  # one 2-rank launch building six trainers
 
@@ -53,11 +55,10 @@ def _families(tmp: Path) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, tuple[list[str], list[dict]]]:
     tmp = tmp_path_factory.mktemp("peak")
+    families = _families(tmp)
     jobs = {
-        f"{family}_{name}": [*COMMON, *over, *lay]
-        for family, over in _families(tmp).items()
-        for name, lay in LAYOUTS.items()
-    }
+        f"{family}_{name}": [*COMMON, *over, *lay] for family, over in families.items() for name, lay in LAYOUTS.items()
+    } | {f"{family}_tp2": [*COMMON, *over, *TP2] for family, over in families.items() if family in TP_FAMILIES}
     spec = tmp / "jobs.json"
     spec.write_text(json.dumps([{"name": n, "overrides": o} for n, o in jobs.items()]))
     torchrun(2, [str(RUNNER), str(spec), str(tmp / "out")], cwd=tmp)
@@ -85,3 +86,15 @@ def test_predicted_peak_per_rank_is_within_10_percent_of_the_measured(measured, 
         assert total == pytest.approx(rank["total"], rel=TOLERANCE), (job, rank, lines)
         # the weights the plan counts are live at the peak (FSDP2: this rank's shards, and gathered blocks besides)
         assert rank["Parameter"] >= lines["parameters"]
+
+
+def test_layout_trace_predicts_the_tp2_peak_within_10_percent(measured):
+    """Tensor parallelism splits what the family's TP plan splits: the layout trace runs that plan itself."""
+    from scaletrain.plan.layout_trace import layout_peak
+
+    for family in TP_FAMILIES:
+        overrides, ranks = measured[f"{family}_tp2"]
+        predicted_peak = layout_peak(load_config(None, overrides), 2)
+        for rank in ranks:
+            assert predicted_peak["total"] == pytest.approx(rank["total"], rel=TOLERANCE), (family, rank)
+            assert predicted_peak["Parameter"] == rank["Parameter"]  # the same shards, to the byte
