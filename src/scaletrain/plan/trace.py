@@ -187,7 +187,7 @@ def spec_target(spec: ModelSpec, seq_len: int | None = None) -> TraceTarget:
     `example_inputs(samples)` on its spec."""
     vocab = spec.vocab_size
     if vocab is None:
-        make = getattr(spec, "example_inputs", None)
+        make = getattr(spec, "example_inputs", None) or _image_inputs(spec)
         if make is None:
             raise ValueError(
                 f"model.name: the planner cannot trace the {spec.family} family without an example input; "
@@ -209,6 +209,22 @@ def spec_target(spec: ModelSpec, seq_len: int | None = None) -> TraceTarget:
         return token_loss_sum(logits, torch.zeros((samples, seq), dtype=torch.int64))
 
     return TraceTarget(spec.model_name, lambda: spec.build("meta"), spec.blocks, inputs, loss, tokens_per_sample=seq)
+
+
+def _image_inputs(spec: ModelSpec):
+    """An image classifier's micro-batch (the image-classification task's pixels: samples x channels x size x
+    size), for a spec that names a fixed image size; None otherwise."""
+    size = getattr(spec, "image_size", None)
+    if not size or not hasattr(spec, "num_labels"):
+        return None
+    channels = int(getattr(spec, "num_channels", 3))
+
+    def inputs(samples: int):
+        import torch
+
+        return (torch.zeros((samples, channels, int(size), int(size))),), {}
+
+    return inputs
 
 
 def factory_target(path: str) -> TraceTarget:

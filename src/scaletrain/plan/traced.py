@@ -128,7 +128,10 @@ def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[s
         block = trace.largest_block_params
         # two blocks gathered (one computing, one prefetched) and the root; a block's whole gradient in the compute
         # dtype and its fp32 reduce copy while it is reduce-scattered (plan/memory.py, the same rule)
-        lines["gathered/cast weights"] = e * (2 * block + root) + (e + 4) * block if block else e * n + 4 * n
+        # A block's gradient comes after backward has freed that block's activations: it adds only what exceeds them
+        # (measured on CPU ranks, plan/measure.py: the peak is at the start of backward, before any gradient)
+        reduce = max(0.0, (e + 4) * block - trace.largest_block_saved * scale)
+        lines["gathered/cast weights"] = e * (2 * block + root) + reduce if block else e * n + 4 * n
     elif e < 4:
         # autocast's cached low-precision copies of the weights it multiplies with (matrices and kernels)
         lines["gathered/cast weights"] = e * sum(
@@ -142,13 +145,16 @@ def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[s
     lines["comm buffers"] = (4.0 * n if ddp else 0.0) + (NCCL_BYTES_PER_GROUP * groups if on_gpu else 0.0)
     lines["CUDA context"] = CUDA_CONTEXT_BYTES if on_gpu else 0.0
     dynamic = lines["activations"] + lines["recompute working set"] + lines["gathered/cast weights"]
-    if layout.world_size == 1 and layout.accumulation == 1:
-        # one rank, one micro-batch: zero_grad(set_to_none) freed the gradients, so they and the activations are
-        # never held at once; the optimizer step holds every gradient and foreach AdamW's sqrt(v) list (memory.py,
-        # the same rule). The gradients line is what they add to the larger of the two peaks.
+    if layout.accumulation == 1:
+        # one micro-batch: zero_grad(set_to_none) freed the gradients, so they and the activations are never held
+        # at once (backward frees a block's activations as it makes its gradients, which DDP reduces in its own
+        # buckets and FSDP2 reduce-scatters to shards); the optimizer step holds every gradient and foreach AdamW's
+        # sqrt(v) list (memory.py, the same rule for one rank). The gradients line is what they add to the larger
+        # of the two peaks. Measured on CPU ranks for DDP and FSDP2 (tests/test_plan_peak_memory.py).
         step_peak = lines["gradients"] + OPTIMIZER_TEMP_BYTES * local
         lines["gradients"] = max(0.0, step_peak - dynamic)
-    lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic
+    # a GPU's caching allocator keeps slack; the CPU allocator returns freed blocks (what is live is what is held)
+    lines["fragmentation"] = FRAGMENTATION_SHARE * dynamic if on_gpu else 0.0
     return lines
 
 
