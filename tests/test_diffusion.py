@@ -170,3 +170,24 @@ def test_export_diffusers_loads_as_a_pipeline_with_equal_outputs(layouts, tmp_pa
     with torch.no_grad():
         theirs = pipe.unet.eval()(x, t, class_labels=labels).sample
         assert (theirs - ours(x, t, labels)).abs().max() <= TOL
+
+
+def test_an_image_runs_diagnosis_and_report_speak_of_images(tmp_path):
+    """A data-bound image run is advised on decoding, not token files, and its report charts images/s."""
+    from test_monitor_diagnosis import _rec
+
+    from scaletrain.monitor.diagnosis import diagnose, flagged
+    from scaletrain.monitor.report import build_report
+
+    rows = []
+    for step in range(1, 8):
+        row = _rec(step, data=0.05)
+        row["images_per_s"] = row.pop("tokens_per_s") / 100
+        rows.append(row)
+    (found,) = flagged(diagnose(rows))
+    assert found.rule == "data_loader_bound" and "task.decode_workers" in found.suggestion
+    assert "token" not in found.suggestion
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 7, "images_per_s": 123.0}))
+    html = build_report(tmp_path)
+    assert "images/s" in html and "tokens/s" not in html and "123" in html
