@@ -197,22 +197,28 @@ class DiffusionSpec(ModelSpec):
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
         """The folder's safetensors weights when it has any, else diffusers' own initialisation run once on the
-        CPU with torch seeded from `seed` (the global generator restored after); each rank keeps its shard."""
+        CPU with torch seeded from `seed` (the global generator restored after); each rank keeps its shard.
+        Non-persistent buffers (a DiT's position table), which to_empty() leaves garbage, come from that build."""
         import torch
 
         from scaletrain.models.full_state import copy_full_state
+        from scaletrain.models.naming import plain_param_name
 
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            reference = self.build("cpu")
+        state = reference.state_dict()
         if _has_weights(self.args.path):
             from safetensors.torch import load_file
 
-            state: dict[str, torch.Tensor] = {}
+            state = {}
             for f in sorted(Path(self.args.path).glob("*.safetensors")):
                 state.update(load_file(str(f)))
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                state = self.build("cpu").state_dict()
         copy_full_state(model, state)
+        buffers = dict(reference.named_buffers())
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[plain_param_name(name)])
 
     # -- structure ------------------------------------------------------------------------------------------
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
