@@ -4,6 +4,8 @@ Formats:
 - safetensors: `model.safetensors` (or `model-0000i-of-0000N.safetensors` + index) with scaletrain's own parameter
   names (+ `config.json` of the model spec).
 - torch: `model.pt`, a plain state dict readable with `torch.load(..., weights_only=True)`.
+- diffusers: a folder as diffusers writes it (a diffusion model's: model_index.json, unet/ or transformer/,
+  scheduler/), through the family's own writer (ModelSpec.export_folder; models/diffusion/).
 - hf: a Hugging Face transformers folder (`config.json` + safetensors), through the model family's adapter
   (ModelSpec.hf; the built-in Llama's maps names and permutes the rotary projections, models/llama/hf.py; a
   `model.hf` model's reverses transformers' load-time conversions with transformers' own revert_weight_conversion,
@@ -64,10 +66,12 @@ def _write_streamed(
     entries: dict[str, tuple[torch.Size, torch.dtype]],
     convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     max_shard_bytes: int,
+    stem: str = "model",
 ) -> list[Path]:
     """The checkpoint's model tensors, each converted by `convert` (names and layouts; tensor by tensor, so it is
     planned on meta tensors first), written as safetensors files of at most `max_shard_bytes` (a single larger
-    tensor gets a file of its own) plus their index when there are several: one file in memory at a time."""
+    tensor gets a file of its own) plus their index when there are several: one file in memory at a time.
+    stem: the files' name (`<stem>.safetensors`, `<stem>-0000i-of-0000N.safetensors`, `<stem>.safetensors.index.json`)."""
     from huggingface_hub.serialization import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -80,7 +84,7 @@ def _write_streamed(
     if set(convert(meta)) != set(outputs):  # a conversion that needs several entries at once (none today)
         raise ValueError(f"--format: {ckpt}'s weights cannot be converted one tensor at a time; export --format torch")
     split = split_torch_state_dict_into_shards(
-        outputs, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_bytes
+        outputs, filename_pattern=stem + "{suffix}.safetensors", max_shard_size=max_shard_bytes
     )
     written = []
     for filename, keys in split.filename_to_tensors.items():
@@ -94,7 +98,7 @@ def _write_streamed(
             "metadata": {"total_parameters": sum(o.numel() for o in outputs.values()), **split.metadata},
             "weight_map": split.tensor_to_filename,
         }
-        path = out / "model.safetensors.index.json"
+        path = out / f"{stem}.safetensors.index.json"
         path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(path)
     return written
@@ -147,8 +151,8 @@ def export_checkpoint(
 ) -> list[Path]:
     """Write the weights of `ckpt` into folder `out` in format safetensors | hf (streamed: safetensors files of at
     most `max_shard_size` bytes, with an index when several) | torch (consolidated in memory)."""
-    if fmt not in ("torch", "safetensors", "hf", "peft"):
-        raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf, peft or torch")
+    if fmt not in ("torch", "safetensors", "hf", "peft", "diffusers"):
+        raise ValueError(f"--format: unknown format {fmt!r}; use safetensors, hf, peft, diffusers or torch")
     max_shard_bytes = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     manifest = _committed_manifest(ckpt)
     spec = manifest_spec(manifest) if ("model_spec" in manifest or "model_args" in manifest) else None
@@ -157,6 +161,7 @@ def export_checkpoint(
     if fmt == "peft":
         raise ValueError(f"--format peft: {ckpt} holds a full fine-tune, not LoRA adapters; use --format hf")
     hf = _hf(spec, "--format hf") if fmt == "hf" else None  # refused before reading any weights
+    folder = _family_folder(spec, fmt) if fmt == "diffusers" else None
     if fmt == "torch":
         state, _ = load_full_model_state(ckpt)
         out.mkdir(parents=True, exist_ok=True)
@@ -169,11 +174,25 @@ def export_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     if hf is not None:
         return _write_streamed(ckpt, out, entries, hf.to_hf, max_shard_bytes) + hf.write_config(out)
+    if folder is not None:
+        weights = out / folder.weights_folder
+        weights.mkdir(parents=True, exist_ok=True)
+        written = _write_streamed(ckpt, weights, entries, folder.convert, max_shard_bytes, folder.weights_name)
+        return written + folder.write_config(out)
     written = _write_streamed(ckpt, out, entries, lambda state: state, max_shard_bytes)
     if spec is None:
         return written
     (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))
     return [*written, out / "config.json"]
+
+
+def _family_folder(spec: ModelSpec | None, fmt: str):
+    """The family's writer of a format it adds (ModelSpec.export_folder); ValueError (one line) when it has none."""
+    folder = spec.export_folder(fmt) if spec is not None else None
+    if folder is None:
+        family = f"the {spec.family} model family" if spec is not None else "a model saved without a model spec"
+        raise ValueError(f"--format {fmt}: {family} has no {fmt} layout; use --format safetensors, hf or torch")
+    return folder
 
 
 def _export_lora(ckpt: Path, out: Path, fmt: str, spec: ModelSpec, lora: dict, max_shard_bytes: int) -> list[Path]:

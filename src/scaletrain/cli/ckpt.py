@@ -119,12 +119,13 @@ def verify_cmd(path: Path) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["safetensors", "hf", "peft", "torch"]),
+    type=click.Choice(["safetensors", "hf", "peft", "diffusers", "torch"]),
     default="safetensors",
     show_default=True,
     help="safetensors: the model's own parameter names; hf: a folder transformers' from_pretrained loads (config.json, "
     "safetensors in transformers' names and layout; a LoRA run's adapters merged into its base); peft: a LoRA run's "
-    "adapter folder peft.PeftModel.from_pretrained loads; torch: one model.pt.",
+    "adapter folder peft.PeftModel.from_pretrained loads; diffusers: a diffusion model's pipeline folder "
+    "DiffusionPipeline.from_pretrained loads; torch: one model.pt.",
 )
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write (created).")
 @click.option(
@@ -167,4 +168,4 @@ def export_cmd(path: Path, fmt: str, out: Path, max_shard_size: str) -> None:
         raise
     staging.replace(out)  # out is absent or an empty folder
     for f in written:
-        click.echo(f"wrote {out / f.name}")
+        click.echo(f"wrote {out / (f.relative_to(staging) if f.is_relative_to(staging) else f.name)}")

@@ -69,7 +69,8 @@ class TaskConfig(Section):
     name: str = Field(
         "causal-lm",
         min_length=1,
-        description="task: causal-lm (next-token prediction), image-classification (docs/vision.md)",
+        description="task: causal-lm (next-token prediction), image-classification (docs/vision.md), diffusion "
+        "(docs/diffusion.md)",
     )
 
     def options(self) -> dict[str, Any]:

@@ -129,6 +129,23 @@ class HFAdapter(ABC):
         return [out / "config.json"]
 
 
+class FolderExport(ABC):
+    """A folder another library loads, written by `ckpt export --format <fmt>` for a family that adds that format
+    (ModelSpec.export_folder): the weights go to `weights_folder` as `weights_name`.safetensors (sharded with its
+    index as that library names them), converted tensor by tensor; `write_config` writes everything else."""
+
+    weights_folder: str = ""  # subfolder of the export holding the weights ("": the export's top)
+    weights_name: str = "model"  # file stem of the weights: <stem>.safetensors, <stem>-0000i-of-0000N.safetensors
+
+    @abstractmethod
+    def convert(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Our names and layouts -> the library's, for any subset of the state (planned on meta tensors)."""
+
+    @abstractmethod
+    def write_config(self, out: Path) -> list[Path]:
+        """Write the folder's non-weight files under `out`; returns them."""
+
+
 @dataclass(frozen=True)
 class TPWords:
     """What a front end calls the things a tensor-parallel refusal points at (check_tp's one-line errors): the
@@ -327,6 +344,11 @@ class ModelSpec(ABC):
     @property
     def hf(self) -> HFAdapter | None:
         """The Hugging Face adapter, or None when the family has no transformers counterpart."""
+        return None
+
+    def export_folder(self, fmt: str) -> FolderExport | None:
+        """The writer of `ckpt export --format fmt` for a format this family adds beyond the common ones (e.g. a
+        diffusion model's `diffusers` pipeline folder); None when the family has no such format."""
         return None
 
     @property

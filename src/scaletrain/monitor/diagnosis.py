@@ -44,6 +44,26 @@ def _timed(records: list[dict]) -> list[dict]:
     return rows[1:] if len(rows) > 2 else rows  # the first window holds warm-up (allocation, bucket rebuild)
 
 
+def throughput_unit(records: list[dict]) -> str:
+    """What the run's throughput counts, from its records' `<unit>_per_s` key (tokens for causal-lm, images for an
+    image task: train/loop.py names it after the task's unit); "tokens" when no record says."""
+    for r in records:
+        for key in r:
+            if key.endswith("_per_s"):
+                return key.removesuffix("_per_s")
+    return "tokens"
+
+
+# what speeds up a data-bound run, by what its task reads
+_DATA_REMEDIES = {
+    "tokens": "prefetch batches in background workers (pin memory, overlap with compute), pre-tokenize the "
+    "dataset into a token file (data.source=tokens), or read from faster storage",
+    "images": "decode in more threads (task.decode_workers), read more steps ahead (data.prefetch), store the "
+    "images at the size the model takes (smaller files decode faster), or read from faster storage",
+}
+_ANY_DATA_REMEDY = "read more steps ahead in the background (data.prefetch), or read from faster storage"
+
+
 def _med(values) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
@@ -83,8 +103,7 @@ def diagnose(
                     "Data-loader bound",
                     f"ranks wait {data:.0%} of each step for data (median {step * data * 1e3:.1f} ms of "
                     f"{step * 1e3:.1f} ms; threshold {th.data_wait_pct:g} %)",
-                    "prefetch batches in background workers (pin memory, overlap with compute), pre-tokenize the "
-                    "dataset into a token file (data.source=tokens), or read from faster storage",
+                    _DATA_REMEDIES.get(throughput_unit(records), _ANY_DATA_REMEDY),
                 )
             )
 

@@ -15,7 +15,7 @@ import time
 from html import escape
 from pathlib import Path
 
-from scaletrain.monitor.diagnosis import Thresholds, diagnose
+from scaletrain.monitor.diagnosis import Thresholds, diagnose, throughput_unit
 from scaletrain.monitor.metrics import read_jsonl
 from scaletrain.monitor.run_record import read_run_record
 from scaletrain.monitor.session import read_samples, read_top_ops
@@ -248,7 +248,8 @@ def build_report(run_dir: Path) -> str:
 
     charts = Charts(Marks(records, attempts))
     charts.loss(_col(train, "loss"), _col(records, "val_loss"))
-    charts.lines("Throughput", [("tokens/s", *_col(train, "tokens_per_s"))], "step", "tokens/s", zero=True)
+    unit = throughput_unit(records)  # the task's: tokens for causal-lm, images for image tasks
+    charts.lines("Throughput", [(f"{unit}/s", *_col(train, f"{unit}_per_s"))], "step", f"{unit}/s", zero=True)
     xs, mfu = _col(train, "mfu")
     if mfu:
         charts.lines("MFU", [("MFU", xs, [v * 100 for v in mfu])], "step", "MFU, % of peak FLOP/s", zero=True)
@@ -314,7 +315,7 @@ def build_report(run_dir: Path) -> str:
         "steps": summary.get("steps"),
         "final loss": summary.get("final_loss"),
         "validation loss": summary.get("val_loss"),
-        "tokens/s (whole run)": summary.get("tokens_per_s"),
+        f"{unit}/s (whole run)": summary.get(f"{unit}_per_s"),
         "MFU (last log step)": f"{final_mfu:.2f}%" if final_mfu is not None else f"— ({NO_MFU_HINT})",
         "peak FLOP/s used for MFU": meta.get("peak_source"),
         "MFU convention": meta.get("mfu_convention"),
