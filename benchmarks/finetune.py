@@ -239,6 +239,8 @@ def _trl(a, work: Path, src: Path, folder: Path, name: str) -> dict:
     try:
         proc.wait(timeout=a.trl_timeout)
     except subprocess.TimeoutExpired:
+        # torchrun's ranks run in sessions of their own: end them by their parent, then torchrun's group
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)], check=False)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return {"failed": f"did not finish within {a.trl_timeout:.0f} s"}
