@@ -100,6 +100,7 @@ def test_the_adapted_model_is_peft_model(trained):
     [
         ("lora.targets=['nothing_here']", "lora.targets: ['nothing_here'] match no module"),
         ("lora.rank=1000", "lora.rank: 1000 is larger than"),
+        ("lora.quantize=nf4", "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet"),
         ("parallel.tp=2 lora.dropout=0.1", "lora.dropout: adapter dropout under tensor parallelism is not supported"),
     ],
 )

@@ -31,6 +31,11 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
     from scaletrain.models.lora import check_lora
 
     check_lora(cfg.lora, spec)
+    if cfg.lora.quantize != "none":  # bitsandbytes 0.50 installs beside torch 2.13; its Params4bit is not wired in
+        raise ValueError(
+            "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet: its packed weights are not "
+            "sharded by FSDP2/TP here; use lora.quantize='none'"
+        )
     if degrees.tp > 1 and cfg.lora.dropout:  # each TP rank would draw its own mask on the whole input
         raise ValueError("lora.dropout: adapter dropout under tensor parallelism is not supported; use lora.dropout=0")
     if degrees.cp > 1:
