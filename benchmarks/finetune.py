@@ -229,7 +229,7 @@ def _trl(a, work: Path, src: Path, folder: Path, name: str) -> dict:
         "work": str(work / name),
         "out": str(work / f"{name}.json"),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--master-port", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.nproc), "--standalone"]
     cmd += [__file__, "--trl-worker", json.dumps(job)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     # its own session: a run past the time limit is ended with its ranks
