@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from scaletrain.config import load_config
+from scaletrain.models.naming import plain_param_name
 from scaletrain.monitor import configure_logging
 from scaletrain.parallel import full_state_dict, init_distributed, shutdown_distributed
 from scaletrain.train import Trainer
@@ -73,6 +74,10 @@ def run_job(
         torch.save(state, out / f"state_rank{rt.rank}.pt")
     if rt.rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
+        # which parameters the optimizer holds state for (LoRA: the adapters only), by their plain names
+        names = {id(p): plain_param_name(n) for n, p in trainer.model.module.named_parameters()}
+        held = sorted(names[id(p)] for p in trainer.job.optimizer.state if id(p) in names)
+        (out / "optimizer_state.json").write_text(json.dumps(held))
     if activations:
         (out / f"activations_rank{rt.rank}.json").write_text(json.dumps(saved_activation_bytes(trainer)))
 

@@ -165,7 +165,7 @@ def test_plan_lora_rank_keeps_the_base_and_trains_adapters_only(tmp_path):
         assert with_lora["optimizer states"] < without["optimizer states"] / 100
         assert with_lora["gradients"] < without["gradients"]
         assert without["parameters"] <= with_lora["parameters"] < without["parameters"] * 1.01
-    assert all(r["layout"]["tp"] == 1 and r["layout"]["cp"] == 1 for r in lora["layouts"])  # what the trainer runs
+    assert all(r["layout"]["cp"] == 1 for r in lora["layouts"])  # what the trainer runs (TP too: adapters follow)
     text = run_cli_in_process([*args[:-1], "--lora-rank", "16"], tmp_path).stdout
     assert "LoRA rank 16 on q, k, v, gate, up, o, down: 41.94 M adapter params (0.52% of the base)" in text
 

@@ -576,6 +576,9 @@ class LoraConfig(Section):
         description="module-name suffixes to adapt (peft's target_modules); default: the family's attention and "
         "MLP projections",
     )
+    quantize: Literal["none", "nf4"] = Field(
+        "none", description="the frozen base's storage: 'nf4' is QLoRA's 4-bit base (bitsandbytes), not built yet"
+    )
 
 
 class JobConfig(Section):

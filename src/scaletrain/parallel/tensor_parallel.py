@@ -15,9 +15,12 @@ linears by structure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from scaletrain.models.lora import adapter_tp_styles, linear_layers
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import block_container, block_items
 
@@ -29,6 +32,36 @@ class TPOptions:
     sequence_parallel: bool = False
     loss_parallel: bool = False  # output layer returns vocabulary-sharded DTensor logits
     float8: bool = False  # float8 (tensorwise) linears get torchao's float8 styles (parallel/float8.py)
+
+
+class ReplicateParallel(ParallelStyle):
+    """A linear whose weight every TP rank holds whole, as Replicate DTensors (so the optimizer's foreach kernels
+    and FSDP2 see DTensors as for its sharded neighbours): its input arrives as `input_layouts` and is made whole,
+    its output leaves as `output_layouts`. LoRA's small factor beside a split base layer (models/lora.py)."""
+
+    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+        from torch.distributed.tensor import Replicate
+
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+        self.output_layouts = (output_layouts or Replicate(),)
+        self.desired_input_layouts = (Replicate(),)
+        self.use_local_output = use_local_output
+
+    def _partition_fn(self, name: str, module: nn.Module, device_mesh) -> None:
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        for pname, param in module.named_parameters(recurse=False):
+            whole = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(whole, requires_grad=param.requires_grad))
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        # the input and output handling is ColwiseParallel's: annotate, redistribute, back to a local tensor
+        prepare_input = partial(ColwiseParallel._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
+        prepare_output = partial(ColwiseParallel._prepare_output_fn, self.output_layouts, self.use_local_output)
+        return distribute_module(module, device_mesh, self._partition_fn, prepare_input, prepare_output)
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -73,10 +106,9 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
     plan: dict = {}
     for bpath, block in blocks:
         groups: dict[str, list[tuple[str, nn.Linear]]] = {}
-        for name, m in block.named_modules():
-            if isinstance(m, nn.Linear):
-                parent = name.rsplit(".", 1)[0] if "." in name else ""
-                groups.setdefault(parent, []).append((name, m))
+        for name, m in linear_layers(block):  # a LoRA-wrapped linear counts as its base (models/lora.py)
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            groups.setdefault(parent, []).append((name, m))
         for linears in groups.values():
             h = hidden or max((m.in_features for _, m in linears), key=[m.in_features for _, m in linears].count)
             split = _split_group(linears, h)
@@ -93,12 +125,11 @@ def auto_tp_plan(model: nn.Module, hidden: int | None = None) -> dict:
         )
     inside = tuple(f"{b}." for b, _ in blocks)
     for name, m in model.named_modules():
-        if name.startswith(inside):
-            continue
-        if isinstance(m, nn.Embedding):
+        if not name.startswith(inside) and isinstance(m, nn.Embedding):
             # on the hidden dim, as the built-in plan (models/llama/parallelize.py) and for the same reason
             plan[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        elif isinstance(m, nn.Linear) and m.in_features == hidden:
+    for name, m in linear_layers(model):
+        if not name.startswith(inside) and m.in_features == hidden:
             plan[name] = ColwiseParallel(output_layouts=Replicate())
     return plan
 
@@ -121,5 +152,12 @@ def apply_tensor_parallel(
         from scaletrain.parallel.float8 import float8_tp_styles
 
         styles = float8_tp_styles(model, styles)
+    styles = adapter_tp_styles(model, styles)  # LoRA's adapters follow their base layer's split
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, styles, src_data_rank=None)
+    # torch 2.13's SequenceParallel re-registers a norm's weight as a new Parameter with requires_grad=True: a
+    # frozen weight (LoRA's base) would train
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     return model

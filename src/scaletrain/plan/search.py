@@ -112,8 +112,9 @@ class PlanResult:
         )
 
 
-# LoRA under tensor parallelism: whether the trainer runs it (resolve/job.py), so the search may place it
-LORA_UNDER_TP = False
+# LoRA under tensor parallelism: whether the trainer runs it (resolve/job.py: adapters follow their base's split,
+# without adapter dropout), so the search may place it
+LORA_UNDER_TP = True
 
 
 def divisors(n: int) -> list[int]:
@@ -124,8 +125,8 @@ def divisors(n: int) -> list[int]:
 
 def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
     a = work.args
-    if work.lora is not None and not LORA_UNDER_TP:
-        return [1]  # the trainer refuses LoRA under tensor parallelism (resolve/job.py check_lora_job)
+    if work.lora is not None and (not LORA_UNDER_TP or work.lora.dropout):
+        return [1]  # the trainer refuses adapter dropout under tensor parallelism (resolve/job.py check_lora_job)
     return [
         t
         for t in divisors(world)

@@ -31,8 +31,13 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
     from scaletrain.models.lora import check_lora
 
     check_lora(cfg.lora, spec)
-    if degrees.tp > 1:  # adapters would have to follow their base's TP sharding: not built yet
-        raise ValueError("lora.rank: LoRA under tensor parallelism is not supported yet; use parallel.tp=1")
+    if cfg.lora.quantize != "none":  # bitsandbytes 0.50 installs beside torch 2.13; its Params4bit is not wired in
+        raise ValueError(
+            "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet: its packed weights are not "
+            "sharded by FSDP2/TP here; use lora.quantize='none'"
+        )
+    if degrees.tp > 1 and cfg.lora.dropout:  # each TP rank would draw its own mask on the whole input
+        raise ValueError("lora.dropout: adapter dropout under tensor parallelism is not supported; use lora.dropout=0")
     if degrees.cp > 1:
         raise ValueError("lora.rank: LoRA under context parallelism is not supported yet; use parallel.cp=1")
     if cfg.precision.fp8 != "none":
