@@ -322,11 +322,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; the agent reaps it later
 
 
-def _events(folder: Path, pid: int) -> dict:
+def _events(folder: Path, pid: int, after: float = 0.0) -> dict:
+    """Each event's first stamp later than unix time `after` (an in-process survivor stamps each generation)."""
     path = folder / f"events-{pid}.jsonl"
     if not path.is_file():
         return {}
-    return {e["event"]: e for e in map(json.loads, path.read_text().splitlines())}
+    out: dict = {}
+    for e in map(json.loads, path.read_text().splitlines()):
+        if e["unix"] > after:
+            out.setdefault(e["event"], e)
+    return out
 
 
 # (label, the mark that ends the phase); a phase starts at the previous mark the run has ("launch": the command's
@@ -402,8 +407,8 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
                 if pid is None:
                     return False
                 # rank 0 restored after the kill (a new process, or in-process the same one in a new generation)
-                restored = _events(events, pid).get("restore_end", {})
-                if restored.get("unix", 0) > again["launch"]:
+                restored = _events(events, pid, after=again["launch"]).get("restore_end", {})
+                if restored:
                     new_pid["pid"] = pid
                     return any(s > restored["step"] for s in _rows(run))
                 return False
@@ -417,12 +422,12 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
             proc.wait()
     fresh.update({k: e["unix"] for k, e in _events(events, old[0]).items()})
     # a survivor's or a warm spare's marks from before the kill belong to the first start
-    again.update({k: e["unix"] for k, e in _events(events, new_pid["pid"]).items() if e["unix"] > again["launch"]})
+    again.update({k: e["unix"] for k, e in _events(events, new_pid["pid"], after=again["launch"]).items()})
     return {
         "fresh": fresh,
         "again": again,
         "killed_at_step": killed_at_step,
-        "resumed_from": _events(events, new_pid["pid"])["restore_end"]["step"],
+        "resumed_from": _events(events, new_pid["pid"], after=again["launch"])["restore_end"]["step"],
     }
 
 

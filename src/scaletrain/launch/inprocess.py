@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
 
 from scaletrain.config.schema import JobConfig
 from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_environment
-from scaletrain.train.inprocess import STOP, done_key, order_key
+from scaletrain.train.inprocess import STOP, done_key, left_key, order_key
 
 POLL_S = 0.02  # how often the launcher looks at its processes and the store
 STOP_GRACE_S = 10.0  # how long processes told to stop get before they are killed
@@ -92,6 +94,9 @@ class _Group:
     def done(self, generation: int, rank: int) -> bool:
         return self.store.check([done_key(generation, rank)])  # type: ignore[attr-defined]
 
+    def left(self, generation: int, rank: int) -> bool:
+        return self.store.check([left_key(generation, rank)])  # type: ignore[attr-defined]
+
     def stop(self) -> None:
         """Order every live process to stop, then kill what is still there after STOP_GRACE_S."""
         for w in self.workers:
@@ -103,6 +108,16 @@ class _Group:
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
+            _kill_leftovers(w)
+
+
+def _kill_leftovers(worker: _Worker) -> None:
+    """Kill what a worker that ended left in its process group: a SIGKILLed rank's checkpoint writer process lives
+    on (waiting for its peers for gloo's 30 minutes) and keeps the command's output pipes open."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _say(line: str) -> None:
@@ -135,6 +150,8 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
                 return json.loads(group.store.get(done_key(generation, 0)))  # type: ignore[attr-defined]
             dead = {r: w for r, w in ranks.items() if not w.process.is_alive() and not group.done(generation, r)}
             if not dead:
+                if ranks and all(group.left(generation, r) for r in ranks):
+                    raise RankFailed(min(ranks), None)  # every rank lost a peer, none died: a collective timed out
                 continue
             rank, lost = min(dead.items())
             code = lost.process.exitcode
@@ -144,6 +161,7 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
             generation += 1
             survivors = {r: w.pid for r, w in ranks.items() if r not in dead}
             for r, w in sorted(dead.items()):
+                _kill_leftovers(w)
                 w.rank = None
                 spare = next(iter(group.spares()), None)
                 replacement = spare or group.start(spare=False)

@@ -98,6 +98,8 @@ class _Process:
 def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool) -> None:
     """Process entry (spawned by the launcher): import everything once, then run the generations the launcher orders
     until it says stop. A rank's own error ends the process (exit 1) after logging it to the rank log."""
+    # its own process group: when it dies, the launcher kills what it leaves behind (its checkpoint writer)
+    os.setpgid(0, 0)
     if spare:
         _set_niceness(SPARE_NICENESS)
     from scaletrain.config import validate_config
@@ -224,8 +226,19 @@ def _stop_checkpoint_writer() -> None:
     group had the dead rank in it, and the next generation's manager must start its own with every rank (a writer
     left registered here would skip the start-up broadcast the new rank joins, and both would wait forever). A save
     it had not committed stays a .partial folder, which the next manager removes."""
+    import multiprocessing
+    import threading
+
     from torch.distributed.checkpoint import _async_process_executor as process_executor
 
+    # the writer is this worker's only child process; killed while it starts, its starting thread fails (EOF on
+    # its pipe) instead of registering it after this function returned
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
+    for thread in threading.enumerate():
+        if thread.name == "scaletrain-ckpt-writer-start":
+            thread.join(timeout=30)
     writer, process_executor._CHECKPOINT_PROCESS = process_executor._CHECKPOINT_PROCESS, None
     if writer is not None and writer._save_process.is_alive():
         writer._save_process.kill()
