@@ -410,7 +410,10 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
                 restored = _events(events, pid, after=again["launch"]).get("restore_end", {})
                 if restored:
                     new_pid["pid"] = pid
-                    return any(s > restored["step"] for s in _rows(run))
+                    rows = _rows(run)
+                    # in-process the PID stays: wait for rank 0 to drop the rows logged after the restored step
+                    new_pid["truncated"] = new_pid.get("truncated") or max(rows, default=0) <= restored["step"]
+                    return new_pid["truncated"] and any(s > restored["step"] for s in rows)
                 return False
 
             again["row"] = wait(resumed_row, "metrics row after the restart")
