@@ -322,11 +322,16 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; the agent reaps it later
 
 
-def _events(folder: Path, pid: int) -> dict:
+def _events(folder: Path, pid: int, after: float = 0.0) -> dict:
+    """Each event's first stamp later than unix time `after` (an in-process survivor stamps each generation)."""
     path = folder / f"events-{pid}.jsonl"
     if not path.is_file():
         return {}
-    return {e["event"]: e for e in map(json.loads, path.read_text().splitlines())}
+    out: dict = {}
+    for e in map(json.loads, path.read_text().splitlines()):
+        if e["unix"] > after:
+            out.setdefault(e["event"], e)
+    return out
 
 
 # (label, the mark that ends the phase); a phase starts at the previous mark the run has ("launch": the command's
@@ -342,11 +347,12 @@ RECOVERY_PHASES = [
 ]
 
 
-def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
-    """One `scaletrain train` SIGKILLed on --kill-rank: unix times of each mark, for its fresh start and its
-    restart; the run is stopped once the first step after the restart is logged (nothing later is measured)."""
-    name = f"recovery{rep}"
-    run, events = workdir / "runs" / name, workdir / f"events{rep}"
+def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -> dict:
+    """One `scaletrain train` (launch.restart=`mode`) SIGKILLed on --kill-rank: unix times of each mark, for its
+    fresh start and its restart; the run is stopped once the first step after the restart is logged (nothing
+    later is measured)."""
+    name = f"recovery-{mode}{rep}"
+    run, events = workdir / "runs" / name, workdir / f"events-{name}"
     events.mkdir()
     env = {**env, "SCALETRAIN_BENCH_EVENTS": str(events)}
     cmd = [
@@ -360,6 +366,7 @@ def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
         "monitor.log_interval=1",
         f"checkpoint.interval_steps={a.interval}",
         "launch.max_restarts=1",
+        f"launch.restart={mode}",
         "train.eval_interval=0",
         "train.eval_batches=1",
         "monitor.progress=false",
@@ -390,15 +397,23 @@ def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
             killed_at_step = max(_rows(run))
             os.kill(old[a.kill_rank], signal.SIGKILL)
             again["launch"] = time.time()  # the kill starts the recovery clock
-            again["stopped"] = wait(lambda: not any(map(_alive, old.values())), "exit of the old ranks")
+            # in-process: only the killed rank ends; the survivors stay
+            stopping = [old[a.kill_rank]] if mode == "in-process" else list(old.values())
+            again["stopped"] = wait(lambda: not any(map(_alive, stopping)), "exit of the old ranks")
             new_pid = {}
 
             def resumed_row() -> bool:
                 pid = _heartbeat_pids(run).get(0)
-                if pid is not None and pid != old[0]:  # the new rank 0 is in its loop: old rows are truncated
+                if pid is None:
+                    return False
+                # rank 0 restored after the kill (a new process, or in-process the same one in a new generation)
+                restored = _events(events, pid, after=again["launch"]).get("restore_end", {})
+                if restored:
                     new_pid["pid"] = pid
-                    resumed = _events(events, pid).get("restore_end", {}).get("step")
-                    return resumed is not None and any(s > resumed for s in _rows(run))
+                    rows = _rows(run)
+                    # in-process the PID stays: wait for rank 0 to drop the rows logged after the restored step
+                    new_pid["truncated"] = new_pid.get("truncated") or max(rows, default=0) <= restored["step"]
+                    return new_pid["truncated"] and any(s > restored["step"] for s in rows)
                 return False
 
             again["row"] = wait(resumed_row, "metrics row after the restart")
@@ -408,13 +423,14 @@ def recovery_run(a, rep: int, workdir: Path, env: dict) -> dict:
             except ProcessLookupError:
                 pass
             proc.wait()
-    for marks, pid in ((fresh, old[0]), (again, new_pid["pid"])):
-        marks.update({k: e["unix"] for k, e in _events(events, pid).items()})
+    fresh.update({k: e["unix"] for k, e in _events(events, old[0]).items()})
+    # a survivor's or a warm spare's marks from before the kill belong to the first start
+    again.update({k: e["unix"] for k, e in _events(events, new_pid["pid"], after=again["launch"]).items()})
     return {
         "fresh": fresh,
         "again": again,
         "killed_at_step": killed_at_step,
-        "resumed_from": _events(events, new_pid["pid"])["restore_end"]["step"],
+        "resumed_from": _events(events, new_pid["pid"], after=again["launch"])["restore_end"]["step"],
     }
 
 
@@ -449,6 +465,22 @@ def recovery_table(runs: list[dict]) -> list[str]:
     return out
 
 
+def modes_table(by_mode: dict[str, list[dict]]) -> list[str]:
+    """Kill → next metrics row of each restart mode beside a fresh start (launch → step 1's row, every run's)."""
+    fresh = statistics.median(r["fresh"]["row"] - r["fresh"]["launch"] for runs in by_mode.values() for r in runs)
+    out = [
+        "**Recovery side by side** (medians; fresh start: launch → first metrics row over every run above).",
+        "",
+        "| | seconds | ÷ fresh start |",
+        "|---|---|---|",
+        f"| fresh start | {fresh:.2f} | 1.00 |",
+    ]
+    for mode, runs in by_mode.items():
+        took = statistics.median(r["again"]["row"] - r["again"]["launch"] for r in runs)
+        out.append(f"| launch.restart={mode}: kill → next metrics row | {took:.2f} | {took / fresh:.2f} |")
+    return out
+
+
 # ---------------------------------------------------------------- driver
 
 
@@ -472,6 +504,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--interval", type=int, default=5, help="recovery: checkpoint.interval_steps")
     ap.add_argument("--kill-at", type=int, default=13, help="recovery: SIGKILL once this step is logged")
     ap.add_argument("--kill-rank", type=int, default=1, choices=[0, 1])
+    ap.add_argument(
+        "--restart-modes", default="process,in-process", help="recovery: launch.restart values, side by side"
+    )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     ap.add_argument("--markdown", type=Path, help=f"also write the tables into this file's '{SECTION}' section")
@@ -483,6 +518,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if part not in ("stall", "recovery"):
             ap.error(f"--parts: unknown part {part!r}; choose from stall, recovery")
     a.models = a.models.split(",")
+    a.restart_modes = a.restart_modes.split(",")
+    for mode in a.restart_modes:
+        if mode not in ("process", "in-process"):
+            ap.error(f"--restart-modes: unknown mode {mode!r}; choose from process, in-process")
     if a.reps < 1 or a.steps_per_save < 1:
         ap.error("--reps and --steps-per-save: need at least 1")
     if a.global_batch % 2:
@@ -531,19 +570,23 @@ def main(argv: list[str] | None = None) -> None:
                 "",
             ]
         if "recovery" in a.parts:
-            runs = []
+            by_mode: dict[str, list[dict]] = {}
             for rep in range(a.reps):
-                print(f"recovery {rep + 1}/{a.reps}", file=sys.stderr, flush=True)
-                runs.append(recovery_run(a, rep, Path(tmp), env))
-            lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
-            report += [
-                f"**Recovery from SIGKILL of rank {a.kill_rank}** (`scaletrain train`, model "
-                f"{a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
-                f"launch.max_restarts=1, {a.reps} runs; killed after step → resumed from step: {lost}).",
-                "",
-                *recovery_table(runs),
-                "",
-            ]
+                for mode in a.restart_modes:  # interleaved: a drift in the machine's load hits every mode alike
+                    print(f"recovery {rep + 1}/{a.reps}, launch.restart={mode}", file=sys.stderr, flush=True)
+                    by_mode.setdefault(mode, []).append(recovery_run(a, rep, Path(tmp), env, mode))
+            for mode, runs in by_mode.items():
+                lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
+                report += [
+                    f"**Recovery from SIGKILL of rank {a.kill_rank}, launch.restart={mode}** (`scaletrain train`, "
+                    f"model {a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
+                    f"launch.max_restarts=1, launch.spares=1, {a.reps} runs; killed after step → resumed from "
+                    f"step: {lost}).",
+                    "",
+                    *recovery_table(runs),
+                    "",
+                ]
+            report += [*modes_table(by_mode), ""]
     # other jobs on a shared machine slow both modes but blur the split: say how loaded it was
     report += [
         f"Load average (1 min) at start and end: {load[0]:.1f}, {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",

@@ -128,6 +128,9 @@ def train(
     except ValueError as e:
         fail(str(e))
 
+    if cfg.launch.restart == "in-process":
+        _train_in_process(cfg, nproc, rdzv)
+        return
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -170,6 +173,24 @@ def train(
             f"(launch.rdzv_endpoint) ended or became unreachable; its output says why; this node's ranks were stopped",
             err=True,
         )
+        sys.exit(EXIT_FAILED)
+
+
+def _train_in_process(cfg: JobConfig, nproc: int, rdzv) -> None:
+    """launch.restart=in-process: the ranks and their warm spares under launch/inprocess.py's launcher."""
+    from scaletrain.launch.inprocess import RankFailed, launch_in_process
+    from scaletrain.monitor.rank_logs import failure_line
+
+    try:
+        launch_in_process(cfg, nproc, rdzv)
+    except RankFailed as e:
+        if e.exitcode == EXIT_REQUEUE:
+            click.echo(
+                f"scaletrain: preempted; a checkpoint was saved, the same command resumes it (exit {EXIT_REQUEUE})",
+                err=True,
+            )
+            sys.exit(EXIT_REQUEUE)
+        click.echo(f"scaletrain: training failed on {failure_line(cfg.run_dir(), e.rank, e.exitcode)}", err=True)
         sys.exit(EXIT_FAILED)
 
 

@@ -525,6 +525,18 @@ class LaunchConfig(Section):
         "gloo/NCCL sockets bind to it. Empty: the address of the interface that routes to the rendezvous host",
     )
     max_restarts: int = Field(0, ge=0, le=MAX_STEPS, description="worker-group restarts by the torchrun agent")
+    restart: Literal["process", "in-process"] = Field(
+        "process",
+        description="after a rank dies: process = the torchrun agent stops every rank and starts them again; "
+        "in-process = the surviving ranks keep their processes and join a new process group with a warm spare "
+        "in the dead rank's place (one node; launch.max_restarts still caps the restarts)",
+    )
+    spares: int = Field(
+        1,
+        ge=0,
+        le=MAX_RANKS,
+        description="launch.restart=in-process: processes started ahead, imported and waiting to replace a dead rank",
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -593,6 +605,15 @@ class JobConfig(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _in_process_restart_on_one_node(self) -> JobConfig:
+        if self.launch.restart == "in-process" and self.launch.nnodes > 1:
+            raise ValueError(
+                f"launch.restart: in-process restart works on one node (launch.nnodes={self.launch.nnodes}); "
+                f"set launch.restart=process"
+            )
+        return self
 
     @model_validator(mode="after")
     def _memory_snapshots_on_one_node(self) -> JobConfig:

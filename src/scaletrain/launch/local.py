@@ -130,13 +130,8 @@ def run_id(cfg: JobConfig) -> str:
     return f"scaletrain-{cfg.run.name}"  # the rendezvous store is fresh for each launch: no stale round to meet
 
 
-def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | None = None) -> dict:
-    """Run the job on nproc_per_node local ranks; returns rank 0's summary. Raises ChildFailedError on failure."""
-    from torch.distributed.launcher.api import elastic_launch
-
-    from scaletrain.train.worker import run_from_dict
-
-    rdzv = rdzv or open_rendezvous(cfg.launch)
+def worker_environment(rdzv: LocalRendezvous, nproc_per_node: int) -> None:
+    """The environment this host's ranks inherit (set in this process before they start)."""
     # one intra-op thread pool per rank sized to the host, instead of every rank grabbing every core
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     # Workers get a fresh TCPStore each round instead of sharing the agent's rendezvous store: with the shared
@@ -148,6 +143,16 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
     os.environ["SCALETRAIN_NODE_ADDR"] = rdzv.listen_addr  # names this node in the rendezvous check's messages
+
+
+def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | None = None) -> dict:
+    """Run the job on nproc_per_node local ranks; returns rank 0's summary. Raises ChildFailedError on failure."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    from scaletrain.train.worker import run_from_dict
+
+    rdzv = rdzv or open_rendezvous(cfg.launch)
+    worker_environment(rdzv, nproc_per_node)
     launch = agent_config(
         cfg.launch.shutdown_timeout_s,
         min_nodes=cfg.launch.min_nodes or cfg.launch.nnodes,

@@ -1,0 +1,182 @@
+"""In-process restart on one host (launch.restart = "in-process"), built on torch.distributed's own primitives.
+
+The launcher starts one process per rank plus launch.spares warm spares (train/inprocess.py: imported, waiting on the
+store) and orders each one through the rendezvous TCPStore. When a rank's process dies, the survivors' collective
+fails, they leave the process group and wait; the launcher hands the dead rank to a spare (a fresh process when none
+is left) and orders every rank into the next generation, whose process group lives under its own key prefix. The
+survivors keep their processes and imports; every rank restores the newest state (checkpoint.memory_interval_steps'
+host-memory snapshot when it is newer than the disk checkpoint) and the run goes on. A new spare is started for the
+one taken, so the next failure finds one ready. launch.max_restarts caps the restarts, as it does for the agent.
+
+Why not nvidia-resiliency-ext or torchft: nvidia-resiliency-ext 0.4.1 (the newest that installs beside torch 2.13 on
+this Python) keeps every rank's process in its wrapper, but under the torchrun agent a SIGKILLed rank makes the agent
+stop every other rank (its own launcher is needed), its abort step asks for the CUDA backend of each group, and a
+restart re-runs the whole wrapped function; torchft's Manager needs its Rust lighthouse and heals replica groups
+(launch.fault_tolerance = replicas' job), not ranks of one group. Tried here on CPU with gloo, December 2026.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from scaletrain.config.schema import JobConfig
+from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_environment
+from scaletrain.train.inprocess import STOP, done_key, left_key, order_key
+
+POLL_S = 0.02  # how often the launcher looks at its processes and the store
+STOP_GRACE_S = 10.0  # how long processes told to stop get before they are killed
+
+
+class RankFailed(Exception):
+    """The run failed: `rank` ended with `exitcode` and no restart was left (or it asked to be requeued)."""
+
+    def __init__(self, rank: int, exitcode: int | None):
+        super().__init__(f"rank {rank} exited with {exitcode}")
+        self.rank, self.exitcode = rank, exitcode
+
+
+@dataclass
+class _Worker:
+    slot: int
+    process: multiprocessing.process.BaseProcess
+    orders: int = 0
+    rank: int | None = None  # None: a spare
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid or 0
+
+
+@dataclass
+class _Group:
+    """Every process of the run, by slot, and which one holds each rank."""
+
+    cfg: JobConfig
+    nproc: int
+    host: str
+    port: int
+    store: object
+    workers: list[_Worker] = field(default_factory=list)
+
+    def start(self, spare: bool) -> _Worker:
+        from scaletrain.train.inprocess import serve
+
+        slot = len(self.workers)
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(
+            target=serve,
+            args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare),
+            name=f"scaletrain-slot{slot}",
+            daemon=False,
+        )
+        proc.start()
+        worker = _Worker(slot, proc)
+        self.workers.append(worker)
+        return worker
+
+    def order(self, worker: _Worker, generation: int, rank: int) -> None:
+        self.store.set(order_key(worker.slot, worker.orders), f"{generation} {rank}")  # type: ignore[attr-defined]
+        worker.orders += 1
+        worker.rank = rank if rank != STOP else None
+
+    def ranks(self) -> dict[int, _Worker]:
+        return {w.rank: w for w in self.workers if w.rank is not None}
+
+    def spares(self) -> list[_Worker]:
+        return [w for w in self.workers if w.rank is None and w.process.is_alive()]
+
+    def done(self, generation: int, rank: int) -> bool:
+        return self.store.check([done_key(generation, rank)])  # type: ignore[attr-defined]
+
+    def left(self, generation: int, rank: int) -> bool:
+        return self.store.check([left_key(generation, rank)])  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        """Order every live process to stop, then kill what is still there after STOP_GRACE_S."""
+        for w in self.workers:
+            if w.process.is_alive():
+                self.order(w, 0, STOP)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for w in self.workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            _kill_leftovers(w)
+
+
+def _kill_leftovers(worker: _Worker) -> None:
+    """Kill what a worker that ended left in its process group: a SIGKILLed rank's checkpoint writer process lives
+    on (waiting for its peers for gloo's 30 minutes) and keeps the command's output pipes open."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _say(line: str) -> None:
+    # the launcher's lines go where the torchrun agent's restart lines go (monitor/rank_logs.py): the terminal
+    sys.stderr.write(f"scaletrain: {line}\n")
+    sys.stderr.flush()
+
+
+def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None = None) -> dict:
+    """Run the job on `nproc` local ranks with in-process restarts; returns rank 0's summary. RankFailed when a rank
+    ends and launch.max_restarts restarts are spent (or its exit asks for a requeue)."""
+    from scaletrain.exit_codes import EXIT_REQUEUE
+    from scaletrain.monitor.rank_logs import failure_line
+
+    rdzv = rdzv or open_rendezvous(cfg.launch)
+    assert rdzv.server is not None, "one host serves its own rendezvous store"
+    worker_environment(rdzv, nproc)
+    host, port = rdzv.endpoint.rsplit(":", 1)
+    group = _Group(cfg, nproc, host, int(port), rdzv.server)
+    generation, restarts = 0, 0
+    try:
+        for rank in range(nproc):
+            group.order(group.start(spare=False), generation, rank)
+        for _ in range(cfg.launch.spares):
+            group.start(spare=True)
+        while True:
+            time.sleep(POLL_S)
+            ranks = group.ranks()
+            if all(group.done(generation, r) for r in ranks):
+                return json.loads(group.store.get(done_key(generation, 0)))  # type: ignore[attr-defined]
+            dead = {r: w for r, w in ranks.items() if not w.process.is_alive() and not group.done(generation, r)}
+            if not dead:
+                if ranks and all(group.left(generation, r) for r in ranks):
+                    raise RankFailed(min(ranks), None)  # every rank lost a peer, none died: a collective timed out
+                continue
+            rank, lost = min(dead.items())
+            code = lost.process.exitcode
+            if code == EXIT_REQUEUE or restarts >= cfg.launch.max_restarts:
+                raise RankFailed(rank, code)
+            restarts += 1
+            generation += 1
+            survivors = {r: w.pid for r, w in ranks.items() if r not in dead}
+            for r, w in sorted(dead.items()):
+                _kill_leftovers(w)
+                w.rank = None
+                spare = next(iter(group.spares()), None)
+                replacement = spare or group.start(spare=False)
+                group.order(replacement, generation, r)
+                _say(
+                    f"in-process restart {restarts} of {cfg.launch.max_restarts} after a failure on "
+                    f"{failure_line(cfg.run_dir(), r, w.process.exitcode)}; "
+                    f"{'spare' if spare else 'new process'} pid {replacement.pid} takes rank {r}, "
+                    f"ranks {sorted(survivors)} keep pids {[survivors[s] for s in sorted(survivors)]}"
+                )
+            for r, w in group.ranks().items():
+                if r not in dead:
+                    group.order(w, generation, r)
+            while len(group.spares()) < cfg.launch.spares:  # ready for the next failure
+                group.start(spare=True)
+    finally:
+        group.stop()
+        rdzv.server = None

@@ -1,0 +1,245 @@
+"""One worker process of an in-process restart job (launch.restart = "in-process"; started by launch/inprocess.py).
+
+The process outlives its process group. It imports torch and scaletrain once, then runs the generations the launcher
+orders through its TCPStore: generation g joins a process group whose keys live under their own prefix, builds the
+trainer, resumes from the newest state (a memory snapshot when it is newer than the disk checkpoint) and trains. When
+a peer dies, the collective in flight fails (gloo: the dead rank's sockets close); the rank leaves the group, keeps its
+process and imports, and waits for generation g+1 with the same rank. A warm spare is such a process started before
+any failure: imported and waiting for its first order, it takes the dead rank's place without paying the imports.
+
+Module level imports stay light: a spare lowers its priority before importing torch, so that on a host short of
+cores its imports do not slow the ranks that train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+PREFIX = "scaletrain-inprocess"
+STOP = -1  # the rank of an order that ends the process
+SPARE_NICENESS = 10  # a spare's CPU priority while it imports and waits (restored when it takes a rank)
+
+
+def order_key(slot: int, number: int) -> str:
+    """The launcher's `number`-th order to the process of `slot`: "GENERATION RANK" (rank -1: stop)."""
+    return f"{PREFIX}/slot{slot}/order{number}"
+
+
+def done_key(generation: int, rank: int) -> str:
+    """Set by `rank` when it finished training in `generation`; rank 0's value is the run summary (JSON)."""
+    return f"{PREFIX}/gen{generation}/done{rank}"
+
+
+def left_key(generation: int, rank: int) -> str:
+    """Set by `rank` when it left `generation` after losing a peer, waiting for the next one."""
+    return f"{PREFIX}/gen{generation}/left{rank}"
+
+
+def group_prefix(generation: int) -> str:
+    """The prefix of `generation`'s process-group keys: a new group never reads an older one's addresses."""
+    return f"{PREFIX}/gen{generation}/group"
+
+
+@dataclass(frozen=True)
+class Order:
+    generation: int
+    rank: int  # STOP: leave
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a collective failing because a peer went away (this rank can go on in a new group), as
+    opposed to this rank's own error (which ends its process, as under the torchrun agent)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):  # DistBackendError, DistNetworkError, DistStoreError
+        return True
+    text = str(exc)
+    # gloo's messages when the peer's sockets closed under a collective (torch 2.13, gloo's tcp/pair.cc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "[gloo")
+    )
+
+
+class _Process:
+    """This worker's side of the launcher's store: its orders, and its reports."""
+
+    def __init__(self, slot: int, host: str, port: int, timeout_s: float):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.slot, self.orders = slot, 0
+        self.store = dist.TCPStore(
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+
+    def next_order(self) -> Order:
+        """Block until the launcher gives this process its next order."""
+        import datetime
+
+        key = order_key(self.slot, self.orders)
+        self.orders += 1
+        # a spare waits as long as the run lasts: wait in slices so a long quiet run never trips the store timeout
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=60))
+                break
+            except Exception as e:  # noqa: BLE001  the store's timeout (DistStoreError); anything else is real
+                if "timeout" not in str(e).lower() and "Timeout" not in type(e).__name__:
+                    raise
+        generation, rank = (int(x) for x in self.store.get(key).decode().split())
+        return Order(generation, rank)
+
+
+def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool) -> None:
+    """Process entry (spawned by the launcher): import everything once, then run the generations the launcher orders
+    until it says stop. A rank's own error ends the process (exit 1) after logging it to the rank log."""
+    # its own process group: when it dies, the launcher kills what it leaves behind (its checkpoint writer)
+    os.setpgid(0, 0)
+    if spare:
+        _set_niceness(SPARE_NICENESS)
+    from scaletrain.config import validate_config
+    from scaletrain.train import loop  # noqa: F401  the trainer's imports (torch, the models, DCP), paid here once
+
+    cfg = validate_config(tree)
+    process = _Process(slot, host, port, cfg.launch.collective_timeout_s)
+    terminal = os.dup(2)  # the launcher's stderr: each generation's rank log redirect starts from it
+    while True:
+        order = process.next_order()
+        if order.rank == STOP:
+            return
+        if spare:
+            _set_niceness(0)
+            spare = False
+        _run_generation(cfg, process, order, nproc, terminal)
+
+
+def _set_niceness(level: int) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, level)
+    except OSError:  # lowering it back needs CAP_SYS_NICE: then the spare keeps training at the lower priority
+        pass
+
+
+def _run_generation(cfg, process: _Process, order: Order, nproc: int, terminal: int) -> None:
+    """Train as `order.rank` in `order.generation` until the run ends (done key) or a peer is lost (left key)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from scaletrain.monitor import configure_logging
+    from scaletrain.monitor.rank_logs import log_exception, redirect_to_rank_log
+    from scaletrain.parallel.runtime import init_distributed, pick_device_type, shutdown_distributed
+    from scaletrain.resolve import settle_device_defaults
+    from scaletrain.train.loop import fit
+    from scaletrain.train.trainer import Trainer
+
+    generation, rank = order.generation, order.rank
+    # what the rank's code reads of the launcher's environment (the torchrun agent sets the same)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        TORCHELASTIC_RESTART_COUNT=str(generation),  # the rank log's "attempt"
+    )
+    os.dup2(terminal, 2)
+    console = redirect_to_rank_log(cfg.run_dir(), rank)
+    sys.stderr.write(f"in-process restart: generation {generation}, rank {rank}, pid {os.getpid()}\n")
+    device_type = pick_device_type(cfg.run.device)
+    cfg = settle_device_defaults(cfg, device_type)
+    trainer = None
+    t0 = time.perf_counter()
+    try:
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            store=dist.PrefixStore(group_prefix(generation), process.store),
+            rank=rank,
+            world_size=nproc,
+            timeout=datetime.timedelta(seconds=cfg.launch.collective_timeout_s),
+        )
+        rt = init_distributed(device_type, cfg.launch.collective_timeout_s)  # the group above: device and ranks
+        trainer = Trainer.build(cfg, rt)
+        configure_logging(rank, cfg.monitor.all_ranks_log, console)
+        if generation:
+            from scaletrain.monitor import log
+
+            log.info(
+                "in-process restart: generation %d joined in %.2f s (pid %d kept its imports)",
+                generation,
+                time.perf_counter() - t0,
+                os.getpid(),
+            )
+        summary = fit(trainer, console)
+    except BaseException as e:
+        if not (isinstance(e, Exception) and peer_lost(e)):
+            if not isinstance(e, SystemExit):
+                log_exception(rank, e)
+            _close(trainer)
+            shutdown_distributed(wait_for_peers=False)
+            raise  # this rank's own error: the process ends, and the launcher treats it as a lost rank
+        sys.stderr.write(
+            f"in-process restart: rank {rank} lost a peer in generation {generation} "
+            f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}); waiting for the next generation\n"
+        )
+        sys.stderr.flush()
+        _close(trainer)
+        _leave_group()
+        process.store.set(left_key(generation, rank), "")
+        return
+    _close(trainer)
+    shutdown_distributed(wait_for_peers=True)
+    process.store.set(done_key(generation, rank), json.dumps(summary) if rank == 0 else "")
+
+
+def _close(trainer) -> None:
+    """Stop the trainer's background threads (data read-ahead): the next generation builds its own."""
+    if trainer is not None:
+        trainer.loader.close()
+        trainer.val_loader.close()
+
+
+def _leave_group() -> None:
+    """Drop every process group of the failed generation without waiting for the peer that is gone: NCCL's are
+    aborted (a destroy would wait for the collective in flight), gloo's are destroyed (their sockets are closed)."""
+    import gc
+
+    import torch.distributed as dist
+
+    _stop_checkpoint_writer()
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def _stop_checkpoint_writer() -> None:
+    """Kill the async checkpoint writer process of the failed generation (checkpoint/async_writer.py): its gloo
+    group had the dead rank in it, and the next generation's manager must start its own with every rank (a writer
+    left registered here would skip the start-up broadcast the new rank joins, and both would wait forever). A save
+    it had not committed stays a .partial folder, which the next manager removes."""
+    import multiprocessing
+    import threading
+
+    from torch.distributed.checkpoint import _async_process_executor as process_executor
+
+    # the writer is this worker's only child process; killed while it starts, its starting thread fails (EOF on
+    # its pipe) instead of registering it after this function returned
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
+    for thread in threading.enumerate():
+        if thread.name == "scaletrain-ckpt-writer-start":
+            thread.join(timeout=30)
+    writer, process_executor._CHECKPOINT_PROCESS = process_executor._CHECKPOINT_PROCESS, None
+    if writer is not None and writer._save_process.is_alive():
+        writer._save_process.kill()
+        writer._save_process.join()
