@@ -1,5 +1,5 @@
 """Test helper (not a test): for each job of a JSON list, builds the trainer and measures step 2's peak memory on
-every rank (scaletrain.plan.measure), one launch for all of them:
+every rank (scaletrain.train.peak_memory), one launch for all of them:
 
     torchrun --nproc-per-node 2 tests/plan_peak_runner.py JOBS.json OUT_DIR
 
@@ -17,7 +17,7 @@ import torch
 
 from scaletrain.config import load_config
 from scaletrain.parallel import init_distributed, shutdown_distributed
-from scaletrain.plan.measure import measure_step_peak
+from scaletrain.train.peak_memory import measure_step_peak
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Predicted peak memory per rank against the measured one, on CPU ranks without torch.cuda: the trainer itself is
-built and steps twice in one 2-rank launch (tests/plan_peak_runner.py); torch's MemTracker (plan/measure.py) gives
+built and steps twice in one 2-rank launch (tests/plan_peak_runner.py); torch's MemTracker (train/peak_memory.py) gives
 the live bytes at step 2's peak, and the traced plan of the same job (plan/trace.py, plan/traced.py) must be
 within 10 % of it on every rank, for the built-in Llama, a Hugging Face family (a llama folder made here) and a ViT
 through the image-classification task, under DDP 2 and FSDP 2 (fp32, one micro-batch per step).
@@ -90,7 +90,7 @@ def test_predicted_peak_per_rank_is_within_10_percent_of_the_measured(measured, 
 
 def test_layout_trace_predicts_the_tp2_peak_within_10_percent(measured):
     """Tensor parallelism splits what the family's TP plan splits: the layout trace runs that plan itself."""
-    from scaletrain.plan.layout_trace import layout_peak
+    from scaletrain.train.layout_peak import layout_peak
 
     for family in TP_FAMILIES:
         overrides, ranks = measured[f"{family}_tp2"]

@@ -26,7 +26,8 @@ def _family_modules() -> list:
     import scaletrain.models as pkg
 
     found = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+    # the built-in Llama first (the default family: its presets lead every list), then by name
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: (i.name != "llama", i.name)):
         if info.ispkg:
             found.append(importlib.import_module(f"{pkg.__name__}.{info.name}"))
     for folder in filter(None, os.environ.get(PATH_ENV, "").split(os.pathsep)):

@@ -20,7 +20,7 @@ from functools import partial
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from scaletrain.models.lora import adapter_tp_styles, linear_layers
+from scaletrain.models.lora import ADAPTER, linear_layers
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import block_container, block_items
 
@@ -161,3 +161,42 @@ def apply_tensor_parallel(
         if name in frozen:
             p.requires_grad_(False)
     return model
+
+
+def adapter_tp_styles(model: nn.Module, styles: dict) -> dict:
+    """The TP plan `styles` ({module path: ParallelStyle}) for `model` with peft's LoRA layers: a style written for
+    a LoRA-wrapped linear goes to its base layer and the adapters follow it (torchtitan's LoRA), so the adapted
+    output equals one process's: a column-parallel base gets lora_A whole on every rank and lora_B column-split
+    (lora_A's output all-reduced in backward); a row-parallel base gets lora_A row-split (its rank-r output
+    all-reduced) and lora_B whole, leaving in the base's output layout. Paths that are no LoRA layer pass through."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    adapted = dict(linear_layers(model))
+    out: dict = {}
+    for path, style in styles.items():
+        try:
+            module: nn.Module = model.get_submodule(path)
+        except AttributeError:  # a pattern or a path of another stage: parallelize_module resolves it
+            module = model
+        if not hasattr(module, "lora_A") or path not in adapted:
+            out[path] = style
+            continue
+        a, b = f"{path}.lora_A.{ADAPTER}", f"{path}.lora_B.{ADAPTER}"
+        out[f"{path}.base_layer"] = style
+        if type(style) is ColwiseParallel:
+            out[a] = ReplicateParallel(input_layouts=style.input_layouts[0])
+            out[b] = ColwiseParallel(
+                input_layouts=Replicate(),
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        elif type(style) is RowwiseParallel:
+            out[a] = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Replicate())
+            out[b] = ReplicateParallel(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
+        else:
+            raise ValueError(
+                f"lora.targets: {path} is split by {type(style).__name__} under tensor parallelism, which LoRA's "
+                f"adapters cannot follow (column- or row-parallel linears only); leave it out of lora.targets"
+            )
+    return out

@@ -129,7 +129,7 @@ def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[s
         # two blocks gathered (one computing, one prefetched) and the root; a block's whole gradient in the compute
         # dtype and its fp32 reduce copy while it is reduce-scattered (plan/memory.py, the same rule)
         # A block's gradient comes after backward has freed that block's activations: it adds only what exceeds them
-        # (measured on CPU ranks, plan/measure.py: the peak is at the start of backward, before any gradient)
+        # (measured on CPU ranks, train/peak_memory.py: the peak is at the start of backward, before any gradient)
         reduce = max(0.0, (e + 4) * block - trace.largest_block_saved * scale)
         lines["gathered/cast weights"] = e * (2 * block + root) + reduce if block else e * n + 4 * n
     elif e < 4:

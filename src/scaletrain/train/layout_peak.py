@@ -39,7 +39,7 @@ def _meta_batch(task_name: str, spec: Any, layout: Any, seq_len: int):
 
 def layout_peak(cfg: JobConfig, world_size: int, rank: int = 0) -> dict[str, int]:
     """Peak bytes on `rank` of step 2 of the job on `world_size` ranks: {"total": bytes, category: bytes} as
-    plan/measure.py reports a real run's. Needs no process group of its own (refused where one is running)."""
+    train/peak_memory.py reports a real run's. Needs no process group of its own (refused where one is running)."""
     import torch
     import torch.distributed as dist
     from torch.distributed._tools.mem_tracker import MemTracker
