@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import losses, run_cli
+from test_checkpoint import _workers
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.checkpoint.memory import snapshot_root
 from scaletrain.config import ConfigError, load_config
@@ -39,26 +40,20 @@ JOB = [
 SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
 
 
-def _workers(agent_pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == agent_pid and b"spawn_main" in cmd:
-            found.append(int(entry.name))
-    return sorted(found)
-
-
 def _snapshot_step(run: Path) -> int:
     try:
         return json.loads((run / "checkpoints" / "memory.json").read_text())["step"]
     except (OSError, ValueError):
         return 0
+
+
+def assert_same_final_weights(run: Path, ref: Path, steps: int) -> None:
+    """The final checkpoints of two runs hold the same tensors, bit for bit."""
+    got = load_full_model_state(run / "checkpoints" / f"step_{steps:08d}")[0]
+    want = load_full_model_state(ref / "checkpoints" / f"step_{steps:08d}")[0]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_memory_snapshots_refuse_several_nodes_in_one_line():
@@ -95,10 +90,6 @@ def test_kill_right_after_a_memory_snapshot_resumes_from_memory_losing_no_step(t
     assert proc.returncode == 0, err[-3000:]
     assert 12 <= newest < 20 and f"checkpoint: step {newest} is in host memory" in err, err[-3000:]
     assert f"at step {newest} (saved by" in err, err[-3000:]  # resumed from the snapshot: no step lost
-    got = load_full_model_state(run / "checkpoints" / f"step_{STEPS:08d}")[0]
-    want = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")[0]
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_same_final_weights(run, ref, STEPS)
     assert losses(run) == losses(ref)
     assert not snapshot_root(run / "checkpoints").exists()

@@ -136,15 +136,9 @@ def layouts(images, tmp_path_factory):
 
 @pytest.mark.slow  # two launches (one process, two ranks)
 def test_ddp_and_fsdp_losses_equal_one_process(layouts):
-    from test_parallel_layouts import runner_losses
+    from test_vision import assert_layouts_equal_one_process
 
-    for ref_name, names in (("single", ("ddp2_accumulate", "fsdp2")), ("dit_single", ("dit_ddp2",))):
-        ref = runner_losses(layouts / ref_name)
-        assert len(ref) == 5
-        for name in names:
-            got = runner_losses(layouts / name)
-            for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
-                assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
+    assert_layouts_equal_one_process(layouts, {"single": ("ddp2_accumulate", "fsdp2"), "dit_single": ("dit_ddp2",)})
 
 
 @pytest.mark.slow  # shares the launches above

@@ -2,7 +2,6 @@
 surviving rank keeps its process (same PID, no re-import), and the run ends with every step's loss and the final
 weights bit-identical to an unkilled run's; a layout it cannot serve is refused in one line before launch."""
 
-import json
 import os
 import re
 import signal
@@ -12,10 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import losses, run_cli
-from scaletrain.checkpoint.export import load_full_model_state
+from test_checkpoint_memory import _snapshot_step, assert_same_final_weights
 from scaletrain.config import ConfigError, load_config
 from scaletrain.monitor.faults import ENV as FAULTS
 
@@ -39,13 +37,6 @@ JOB = [
     "launch.restart=in-process",
 ]
 SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
-
-
-def _snapshot_step(run: Path) -> int:
-    try:
-        return json.loads((run / "checkpoints" / "memory.json").read_text())["step"]
-    except (OSError, ValueError):
-        return 0
 
 
 def _pids(run: Path, rank: int) -> list[int]:
@@ -91,9 +82,5 @@ def test_sigkilled_rank_is_replaced_in_process_survivor_keeps_its_pid_and_losses
     assert f"spare pid {victim_pids[1]} takes rank {VICTIM}" in err, err[-3000:]
     assert f"at step {newest} (saved by" in err, err[-3000:]  # resumed from the snapshot: no step lost
 
-    got = load_full_model_state(run / "checkpoints" / f"step_{STEPS:08d}")[0]
-    want = load_full_model_state(ref / "checkpoints" / f"step_{STEPS:08d}")[0]
-    assert got.keys() == want.keys()
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
+    assert_same_final_weights(run, ref, STEPS)
     assert losses(run) == losses(ref)

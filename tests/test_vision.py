@@ -199,17 +199,25 @@ def layouts(images, tmp_path_factory):
     return out
 
 
-@pytest.mark.slow  # two launches (one process, two ranks)
-def test_ddp_fsdp_and_tp_losses_equal_one_process(layouts):
+def assert_layouts_equal_one_process(layouts: Path, groups: dict[str, tuple[str, ...]]) -> None:
+    """Each launch named in `groups` ({one-process run: its layouts' runs}) has the 5 per-step losses of its
+    one-process run within TOL."""
     from test_parallel_layouts import runner_losses
 
-    for ref_name, names in (("single", ("ddp2_accumulate", "fsdp2", "tp2")), ("cnn_single", ("cnn_fsdp2",))):
+    for ref_name, names in groups.items():
         ref = runner_losses(layouts / ref_name)
         assert len(ref) == 5
         for name in names:
             got = runner_losses(layouts / name)
             for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
                 assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
+
+
+@pytest.mark.slow  # two launches (one process, two ranks)
+def test_ddp_fsdp_and_tp_losses_equal_one_process(layouts):
+    assert_layouts_equal_one_process(
+        layouts, {"single": ("ddp2_accumulate", "fsdp2", "tp2"), "cnn_single": ("cnn_fsdp2",)}
+    )
 
 
 @pytest.mark.slow  # shares the launches above
