@@ -104,3 +104,22 @@ def test_launcher_on_an_agent_without_shutdown_timeout(monkeypatch, tmp_path):
     proc = run_cli_in_process(["train", *FAST, "launch.shutdown_timeout_s=45"], tmp_path, check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("scaletrain: error: launch.shutdown_timeout_s: torch ")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_the_rendezvous_names_its_events_as_torch_does_without_inspect_stack():
+    """speed_up_rendezvous_events swaps torch's inspect.stack()-based event naming for a frame walk that returns the
+    same name (the function two frames up)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from scaletrain.launch.local import speed_up_rendezvous_events
+
+    def _record():
+        return dynamic_rendezvous.get_method_name()
+
+    def next_rendezvous():
+        return _record()
+
+    want = next_rendezvous()
+    speed_up_rendezvous_events()
+    assert want == next_rendezvous() == "next_rendezvous"
+    assert dynamic_rendezvous.get_method_name(10_000) == "no_method_name"

@@ -87,7 +87,7 @@ def measure_across_nodes(
 
     from scaletrain.config.schema import LaunchConfig
     from scaletrain.launch import network
-    from scaletrain.launch.local import agent_config, open_rendezvous
+    from scaletrain.launch.local import agent_config, open_rendezvous, speed_up_rendezvous_events
 
     # unvalidated: open_rendezvous checks the endpoint and names it as the flag (a ValidationError would not)
     launch = LaunchConfig.model_construct(nnodes=nodes, node_rank=node_rank, rdzv_endpoint=endpoint)
@@ -122,6 +122,7 @@ def measure_across_nodes(
         monitor_interval=0.2,
         start_method="spawn",
     )
+    speed_up_rendezvous_events()
     try:
         results = elastic_launch(agent, measure_world_collectives)(sizes, "cuda" if on_gpu else "cpu", amid)
     finally:
