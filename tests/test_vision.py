@@ -244,11 +244,11 @@ def test_a_factory_that_does_not_import_is_one_line(tmp_path, images):
     )
 
 
-RESUME_STEPS = 60  # checkpoints every 10: a kill after step 15 resumes from 10 or later
+RESUME_STEPS = 30  # checkpoints every 5: a kill after step 8 resumes from 5 or later
 RESUME_JOB = ["task.name=image-classification", "model.name=vit-tiny-image", "model.hidden_size=64",
-              "model.num_hidden_layers=4", "model.intermediate_size=128", f"train.steps={RESUME_STEPS}",
+              "model.num_hidden_layers=2", "model.intermediate_size=128", f"train.steps={RESUME_STEPS}",
               "train.global_batch_size=8", "train.lr=0.003", "train.eval_interval=0", "train.eval_batches=1",
-              "monitor.log_interval=1", "monitor.progress=false", "checkpoint.interval_steps=10",
+              "monitor.log_interval=1", "monitor.progress=false", "checkpoint.interval_steps=5",
               "checkpoint.save_final=true", "--nproc-per-node", "2"]  # fmt: skip
 
 
@@ -279,7 +279,7 @@ def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run,
 
     proc = _start(["train", *RESUME_JOB, f"data.path={images}", "run.name=killed", "launch.max_restarts=2"],
                   clean_run)  # fmt: skip
-    reached = _wait_for_step(clean_run / "runs/killed", 15, proc)
+    reached = _wait_for_step(clean_run / "runs/killed", 8, proc)
     os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
