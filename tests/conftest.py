@@ -82,3 +82,16 @@ def val_losses(run_dir: Path) -> list[float]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request):
+    """A test that leaves torch's default process group initialised breaks a later in-process test of the full suite
+    (the traced TP layout needs its own fake group): destroy it and say which test left it, in pytest's warnings."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        import warnings
+
+        dist.destroy_process_group()
+        warnings.warn(f"{request.node.nodeid} left torch's default process group initialised", stacklevel=1)
