@@ -30,6 +30,7 @@ from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_env
 from scaletrain.train.inprocess import STOP, done_key, left_key, order_key
 
 POLL_S = 0.02  # how often the launcher looks at its processes and the store
+HEARTBEAT_POLL_S = 0.25  # how often it reads the ranks' heartbeats for a frozen one
 STOP_GRACE_S = 10.0  # how long processes told to stop get before they are killed
 
 
@@ -97,6 +98,14 @@ class _Group:
     def left(self, generation: int, rank: int) -> bool:
         return self.store.check([left_key(generation, rank)])  # type: ignore[attr-defined]
 
+    def frozen(self, generation: int) -> list[tuple[int, float]]:
+        """The ranks of `generation` whose process froze in the training loop (frozen_ranks)."""
+        from scaletrain.train.watchdog import read_heartbeats, silent_after
+
+        pids = {r: w.pid for r, w in self.ranks().items() if w.process.is_alive() and not self.done(generation, r)}
+        beats = read_heartbeats(self.cfg.run_dir() / "heartbeat")
+        return frozen_ranks(beats, pids, generation, time.time(), silent_after(self.cfg.launch.hang_timeout_s))
+
     def stop(self) -> None:
         """Order every live process to stop, then kill what is still there after STOP_GRACE_S."""
         for w in self.workers:
@@ -109,6 +118,24 @@ class _Group:
                 w.process.kill()
                 w.process.join()
             _kill_leftovers(w)
+
+
+def frozen_ranks(
+    beats: list[dict], pids: dict[int, int], generation: int, now: float, limit_s: float
+) -> list[tuple[int, float]]:
+    """(rank, silent seconds) of each rank in `pids` (rank -> pid of its live process) whose heartbeat of
+    `generation` was not rewritten for over `limit_s` while it was in the training loop: SIGSTOP, a wedged call.
+    train/watchdog.py's thread rewrites the record about every second even while the training thread waits in a
+    collective, so only a frozen process falls silent; a rank outside the loop (building, saving, done) or a record
+    of an earlier generation or process is not judged."""
+    found = []
+    for beat in beats:
+        rank = beat.get("rank", -1)
+        if rank not in pids or beat.get("pid") != pids[rank] or beat.get("round") != generation:
+            continue
+        if beat.get("watching", False) and now - beat["time"] > limit_s:
+            found.append((rank, now - beat["time"]))
+    return sorted(found)
 
 
 def _kill_leftovers(worker: _Worker) -> None:
@@ -138,6 +165,8 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
     host, port = rdzv.endpoint.rsplit(":", 1)
     group = _Group(cfg, nproc, host, int(port), rdzv.server)
     generation, restarts = 0, 0
+    watch_hangs = cfg.launch.hang_timeout_s > 0  # the heartbeats are written by the watchdog, which it switches on
+    next_heartbeat_read = 0.0
     try:
         for rank in range(nproc):
             group.order(group.start(spare=False), generation, rank)
@@ -148,6 +177,15 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
             ranks = group.ranks()
             if all(group.done(generation, r) for r in ranks):
                 return json.loads(group.store.get(done_key(generation, 0)))  # type: ignore[attr-defined]
+            if watch_hangs and time.monotonic() >= next_heartbeat_read:
+                next_heartbeat_read = time.monotonic() + HEARTBEAT_POLL_S
+                for r, silent in group.frozen(generation):
+                    w = ranks[r]
+                    # a frozen rank cannot leave its collective and holds its peers in theirs until the collective
+                    # timeout: SIGKILL closes its sockets, the peers' collective fails, and it is replaced as dead
+                    _say(f"rank {r} (pid {w.pid}) stopped reporting {silent:.1f} s ago (frozen or wedged): killing it")
+                    _kill_leftovers(w)
+                    w.process.join(5.0)
             dead = {r: w for r, w in ranks.items() if not w.process.is_alive() and not group.done(generation, r)}
             if not dead:
                 if ranks and all(group.left(generation, r) for r in ranks):
