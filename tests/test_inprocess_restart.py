@@ -16,8 +16,8 @@ import pytest
 from conftest import losses, run_cli
 from test_checkpoint_memory import _snapshot_step, assert_same_final_weights
 from scaletrain.config import ConfigError, load_config
-from scaletrain.launch.inprocess import frozen_ranks
 from scaletrain.monitor.faults import ENV as FAULTS
+from scaletrain.train.inprocess import frozen_ranks
 from scaletrain.train.watchdog import Watchdog, read_heartbeats
 
 STEPS = 14  # room for a kill, a recovery, a freeze and a second recovery

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from scaletrain.config.schema import JobConfig
 from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_environment
-from scaletrain.train.inprocess import STOP, done_key, left_key, order_key
+from scaletrain.train.inprocess import STOP, done_key, frozen_in_run, left_key, order_key
 
 POLL_S = 0.02  # how often the launcher looks at its processes and the store
 HEARTBEAT_POLL_S = 0.25  # how often it reads the ranks' heartbeats for a frozen one
@@ -100,11 +100,8 @@ class _Group:
 
     def frozen(self, generation: int) -> list[tuple[int, float]]:
         """The ranks of `generation` whose process froze in the training loop (frozen_ranks)."""
-        from scaletrain.train.watchdog import read_heartbeats, silent_after
-
         pids = {r: w.pid for r, w in self.ranks().items() if w.process.is_alive() and not self.done(generation, r)}
-        beats = read_heartbeats(self.cfg.run_dir() / "heartbeat")
-        return frozen_ranks(beats, pids, generation, time.time(), silent_after(self.cfg.launch.hang_timeout_s))
+        return frozen_in_run(self.cfg.run_dir(), pids, generation, self.cfg.launch.hang_timeout_s)
 
     def stop(self) -> None:
         """Order every live process to stop, then kill what is still there after STOP_GRACE_S."""
@@ -118,24 +115,6 @@ class _Group:
                 w.process.kill()
                 w.process.join()
             _kill_leftovers(w)
-
-
-def frozen_ranks(
-    beats: list[dict], pids: dict[int, int], generation: int, now: float, limit_s: float
-) -> list[tuple[int, float]]:
-    """(rank, silent seconds) of each rank in `pids` (rank -> pid of its live process) whose heartbeat of
-    `generation` was not rewritten for over `limit_s` while it was in the training loop: SIGSTOP, a wedged call.
-    train/watchdog.py's thread rewrites the record about every second even while the training thread waits in a
-    collective, so only a frozen process falls silent; a rank outside the loop (building, saving, done) or a record
-    of an earlier generation or process is not judged."""
-    found = []
-    for beat in beats:
-        rank = beat.get("rank", -1)
-        if rank not in pids or beat.get("pid") != pids[rank] or beat.get("round") != generation:
-            continue
-        if beat.get("watching", False) and now - beat["time"] > limit_s:
-            found.append((rank, now - beat["time"]))
-    return sorted(found)
 
 
 def _kill_leftovers(worker: _Worker) -> None:
