@@ -1,6 +1,7 @@
-"""In-process restart (launch.restart=in-process): a rank SIGKILLed mid-run is replaced by a warm spare while the
-surviving rank keeps its process (same PID, no re-import), and the run ends with every step's loss and the final
-weights bit-identical to an unkilled run's; a layout it cannot serve is refused in one line before launch."""
+"""In-process restart (launch.restart=in-process): a rank SIGKILLed mid-run, then the other rank frozen by SIGSTOP,
+are each replaced by a warm spare while the surviving rank keeps its process (same PID, no re-import), and the run
+ends with every step's loss and the final weights bit-identical to an unkilled run's; a layout it cannot serve is
+refused in one line before launch."""
 
 import os
 import re
@@ -16,8 +17,10 @@ from conftest import losses, run_cli
 from test_checkpoint_memory import _snapshot_step, assert_same_final_weights
 from scaletrain.config import ConfigError, load_config
 from scaletrain.monitor.faults import ENV as FAULTS
+from scaletrain.train.inprocess import frozen_ranks
+from scaletrain.train.watchdog import Watchdog, read_heartbeats
 
-STEPS = 10
+STEPS = 14  # room for a kill, a recovery, a freeze and a second recovery
 VICTIM = 0  # rank 0 writes the metrics and commits the checkpoints: the harder rank to lose
 JOB = [
     f"train.steps={STEPS}",
@@ -51,14 +54,31 @@ def test_in_process_restart_refuses_several_nodes_in_one_line():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.slow  # an unkilled launch, and a launch whose rank 0 is killed and replaced in-process
-def test_sigkilled_rank_is_replaced_in_process_survivor_keeps_its_pid_and_losses_match(tmp_path):
+def test_launcher_judges_frozen_only_a_live_training_record_of_this_generation_and_process(tmp_path):
+    with Watchdog(tmp_path, 0, 2, 300.0, 600.0) as dog:
+        dog.beat(3, "forward/backward")
+        (beat,) = read_heartbeats(tmp_path)
+    assert beat["watching"] and beat["pid"] == os.getpid()
+    (after,) = read_heartbeats(tmp_path)
+    assert after["watching"] is False  # left the loop (building, saving, done): its silence is no freeze
+
+    now, pid = beat["time"] + 6.0, os.getpid()
+    assert frozen_ranks([beat], {0: pid}, 0, now, 5.0) == [(0, 6.0)]
+    assert frozen_ranks([beat], {0: pid}, 0, beat["time"] + 4.0, 5.0) == []  # not silent long enough
+    assert frozen_ranks([after], {0: pid}, 0, now, 5.0) == []
+    assert frozen_ranks([beat], {0: pid}, 1, now, 5.0) == []  # a record of an earlier generation
+    assert frozen_ranks([beat], {0: pid + 1}, 0, now, 5.0) == []  # another process held the rank then
+    assert frozen_ranks([beat], {1: pid}, 0, now, 5.0) == []  # rank 0 is done or dead: not judged
+
+
+@pytest.mark.slow  # an unkilled launch, and one launch whose rank 0 is killed, then rank 1 frozen, each replaced
+def test_sigkilled_then_sigstopped_rank_is_replaced_in_process_survivors_keep_pids_and_losses_match(tmp_path):
     run_cli(["train", *JOB, "run.name=clean", "launch.spares=0"], tmp_path)  # no spare importing beside it
     ref = tmp_path / "runs" / "clean"
 
     run = tmp_path / "runs" / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=killed", "launch.max_restarts=1"],
+        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=killed", "launch.max_restarts=2"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -72,15 +92,24 @@ def test_sigkilled_rank_is_replaced_in_process_survivor_keeps_its_pid_and_losses
     victim, survivor = _pids(run, VICTIM)[0], _pids(run, 1 - VICTIM)[0]
     os.kill(victim, signal.SIGKILL)
     newest = _snapshot_step(run)  # no snapshot commits without the killed rank
+
+    # generation 1 trains (a snapshot newer than the one it resumed from): freeze the rank that survived the kill;
+    # its collective peer cannot tell, only the launcher's heartbeat check can
+    while len(_pids(run, VICTIM)) < 2 or _snapshot_step(run) <= newest:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        time.sleep(0.01)
+    os.kill(survivor, signal.SIGSTOP)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
 
-    # the survivor ran both generations in one process; a warm spare (another PID) took the dead rank
-    assert _pids(run, 1 - VICTIM) == [survivor, survivor], err[-3000:]
-    victim_pids = _pids(run, VICTIM)
-    assert len(victim_pids) == 2 and victim_pids[0] == victim and victim_pids[1] != victim
+    # each survivor ran its generations in one process; a warm spare (another PID) took each lost rank
+    victim_pids, frozen_pids = _pids(run, VICTIM), _pids(run, 1 - VICTIM)
+    assert len(victim_pids) == 3 and victim_pids[0] == victim and victim_pids[1] == victim_pids[2] != victim
+    assert len(frozen_pids) == 3 and frozen_pids[:2] == [survivor, survivor] and frozen_pids[2] != survivor
     assert f"spare pid {victim_pids[1]} takes rank {VICTIM}" in err, err[-3000:]
     assert f"at step {newest} (saved by" in err, err[-3000:]  # resumed from the snapshot: no step lost
+    assert f"rank {1 - VICTIM} (pid {survivor}) stopped reporting" in err, err[-3000:]
+    assert f"spare pid {frozen_pids[2]} takes rank {1 - VICTIM}" in err, err[-3000:]
 
     assert_same_final_weights(run, ref, STEPS)
     assert losses(run) == losses(ref)

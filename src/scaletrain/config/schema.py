@@ -529,7 +529,8 @@ class LaunchConfig(Section):
         "process",
         description="after a rank dies: process = the torchrun agent stops every rank and starts them again; "
         "in-process = the surviving ranks keep their processes and join a new process group with a warm spare "
-        "in the dead rank's place (one node; launch.max_restarts still caps the restarts)",
+        "in the dead rank's place; a rank frozen in training (SIGSTOP) is killed within seconds and replaced the "
+        "same way (one node; launch.max_restarts still caps the restarts)",
     )
     spares: int = Field(
         1,

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 
 from scaletrain.config.schema import JobConfig
 from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_environment
-from scaletrain.train.inprocess import STOP, done_key, left_key, order_key
+from scaletrain.train.inprocess import STOP, done_key, frozen_in_run, left_key, order_key
 
 POLL_S = 0.02  # how often the launcher looks at its processes and the store
+HEARTBEAT_POLL_S = 0.25  # how often it reads the ranks' heartbeats for a frozen one
 STOP_GRACE_S = 10.0  # how long processes told to stop get before they are killed
 
 
@@ -97,6 +98,11 @@ class _Group:
     def left(self, generation: int, rank: int) -> bool:
         return self.store.check([left_key(generation, rank)])  # type: ignore[attr-defined]
 
+    def frozen(self, generation: int) -> list[tuple[int, float]]:
+        """The ranks of `generation` whose process froze in the training loop (frozen_ranks)."""
+        pids = {r: w.pid for r, w in self.ranks().items() if w.process.is_alive() and not self.done(generation, r)}
+        return frozen_in_run(self.cfg.run_dir(), pids, generation, self.cfg.launch.hang_timeout_s)
+
     def stop(self) -> None:
         """Order every live process to stop, then kill what is still there after STOP_GRACE_S."""
         for w in self.workers:
@@ -138,6 +144,8 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
     host, port = rdzv.endpoint.rsplit(":", 1)
     group = _Group(cfg, nproc, host, int(port), rdzv.server)
     generation, restarts = 0, 0
+    watch_hangs = cfg.launch.hang_timeout_s > 0  # the heartbeats are written by the watchdog, which it switches on
+    next_heartbeat_read = 0.0
     try:
         for rank in range(nproc):
             group.order(group.start(spare=False), generation, rank)
@@ -148,6 +156,15 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
             ranks = group.ranks()
             if all(group.done(generation, r) for r in ranks):
                 return json.loads(group.store.get(done_key(generation, 0)))  # type: ignore[attr-defined]
+            if watch_hangs and time.monotonic() >= next_heartbeat_read:
+                next_heartbeat_read = time.monotonic() + HEARTBEAT_POLL_S
+                for r, silent in group.frozen(generation):
+                    w = ranks[r]
+                    # a frozen rank cannot leave its collective and holds its peers in theirs until the collective
+                    # timeout: SIGKILL closes its sockets, the peers' collective fails, and it is replaced as dead
+                    _say(f"rank {r} (pid {w.pid}) stopped reporting {silent:.1f} s ago (frozen or wedged): killing it")
+                    _kill_leftovers(w)
+                    w.process.join(5.0)
             dead = {r: w for r, w in ranks.items() if not w.process.is_alive() and not group.done(generation, r)}
             if not dead:
                 if ranks and all(group.left(generation, r) for r in ranks):

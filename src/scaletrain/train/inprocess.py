@@ -64,6 +64,32 @@ def peer_lost(exc: BaseException) -> bool:
     )
 
 
+def frozen_ranks(
+    beats: list[dict], pids: dict[int, int], generation: int, now: float, limit_s: float
+) -> list[tuple[int, float]]:
+    """(rank, silent seconds) of each rank in `pids` (rank -> pid of its live process) whose heartbeat of
+    `generation` was not rewritten for over `limit_s` while it was in the training loop: SIGSTOP, a wedged call.
+    train/watchdog.py's thread rewrites the record about every second even while the training thread waits in a
+    collective, so only a frozen process falls silent; a rank outside the loop (building, saving, done) or a record
+    of an earlier generation or process is not judged."""
+    found = []
+    for beat in beats:
+        rank = beat.get("rank", -1)
+        if rank not in pids or beat.get("pid") != pids[rank] or beat.get("round") != generation:
+            continue
+        if beat.get("watching", False) and now - beat["time"] > limit_s:
+            found.append((rank, now - beat["time"]))
+    return sorted(found)
+
+
+def frozen_in_run(run_dir, pids: dict[int, int], generation: int, hang_timeout_s: float) -> list[tuple[int, float]]:
+    """frozen_ranks over the heartbeats of the run in `run_dir`, silent for train/watchdog.py's silence limit."""
+    from scaletrain.train.watchdog import read_heartbeats, silent_after
+
+    beats = read_heartbeats(run_dir / "heartbeat")
+    return frozen_ranks(beats, pids, generation, time.time(), silent_after(hang_timeout_s))
+
+
 class _Process:
     """This worker's side of the launcher's store: its orders, and its reports."""
 

@@ -85,6 +85,7 @@ class Watchdog:
             "last_completed_step": 0,
             "progress_time": time.time(),
             "time": time.time(),
+            "watching": True,  # False once the training loop is left: a record no longer rewritten is not a freeze
         }
         self._last = time.monotonic()
         self._first_step: int | None = None
@@ -210,3 +211,6 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._publish(watching=False)
