@@ -21,6 +21,7 @@ from test_parallel_layouts import launch_runner, runner_losses
 from scaletrain.config import load_config
 from scaletrain.models.lora import add_lora, init_adapters
 from scaletrain.models.naming import is_adapter_name, plain_param_name
+from scaletrain.parallel.runtime import shutdown_distributed
 from scaletrain.resolve import resolve_job
 
 TOL = 1e-5
@@ -51,6 +52,7 @@ def trained(tmp_path_factory):
         grad_elements.append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
         trainer.job.step(skip_nonfinite=False)
         trainer.scheduler.step()
+    shutdown_distributed()  # Trainer.build's one-rank group: the tests below only read the trained tensors
     return trainer, start, grad_elements
 
 

@@ -112,16 +112,20 @@ def test_one_process_lora_trainer_keeps_what_the_planner_predicts(tmp_path):
     """The trainer itself (Trainer.build, one process): its parameters, the gradients after a step's backward and
     the AdamW states after the step, in bytes, as trainer_model_state_bytes predicts them with LoRA."""
     from scaletrain.config import load_config
+    from scaletrain.parallel.runtime import shutdown_distributed
     from scaletrain.train import Trainer
     from scaletrain.train.step import forward_backward, step_count
 
     cfg = load_config(None, [*FAST, "lora.rank=4", "lora.targets=['wq','wv','w2']", f"run.output_dir={tmp_path}"])
     trainer = Trainer.build(cfg)
     model, job = trainer.model.module, trainer.job
-    mb = trainer.loader.next_step()
-    forward_backward(job, trainer.task, mb, trainer.layout.grad_average / step_count(job, trainer.task, mb))
-    gradients = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    job.step(skip_nonfinite=False)
+    try:
+        mb = trainer.loader.next_step()
+        forward_backward(job, trainer.task, mb, trainer.layout.grad_average / step_count(job, trainer.task, mb))
+        gradients = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        job.step(skip_nonfinite=False)
+    finally:
+        shutdown_distributed()  # Trainer.build's one-rank group
     states = sum(_local_bytes(v) for s in job.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
     measured = {
         "parameters": sum(_local_bytes(p) for p in model.parameters()),
