@@ -79,6 +79,40 @@ def val_losses(run_dir: Path) -> list[float]:
     return [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
 
 
+# `pytest -n auto` (pytest-xdist, README's test command) runs test files side by side on the host's cores. Each file
+# stays whole on one worker (its module-scoped launches are shared by its tests, never run twice), and the files that
+# start simulated nodes or a Slurm share one worker, one after another. Heavy files go first, so the last file to
+# start on a worker is a short one.
+SERIAL_GROUP = "nodes"  # tests/cluster/ and the real single-node Slurm
+SLOW_WEIGHT = 30  # a slow test costs ~30 fast ones (a launch of ranks against an in-process check)
+
+
+def _group(item: pytest.Item) -> str:
+    path = Path(str(item.fspath))
+    if path.parent.name == "cluster" or path.name == "test_launch_slurm.py":
+        return SERIAL_GROUP
+    return path.name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    weight: dict[str, int] = {}
+    for item in items:
+        group = _group(item)
+        weight[group] = weight.get(group, 0) + (SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
+        item.add_marker(pytest.mark.xdist_group(group))
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_group(item), i)
+    # heaviest group first; within a group, collection order (a stable sort)
+    items.sort(key=lambda item: (-weight[_group(item)], first[_group(item)]))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per core, at most 4 (each worker's tests start up to 8 ranks of their own)."""
+    return max(1, min(os.cpu_count() or 1, 4))
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path

@@ -14,7 +14,7 @@ if [ -z "$min" ]; then
 fi
 venv=.venv-min-torch
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q -e . pytest "torch==$min.*"
+"$venv/bin/pip" install -q -e . pytest pytest-xdist "torch==$min.*"
 "$venv/bin/python" -c "import torch; print('min_torch: torch', torch.__version__)"
 if [ "$#" -eq 0 ]; then
   set -- tests/test_default_job.py tests/test_parity.py -m "not slow"
