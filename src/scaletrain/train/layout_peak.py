@@ -6,8 +6,9 @@ counts the bytes each meta storage would hold. No formulas: what TP splits, whic
 autograd keeps are the trainer's and the model's own. (FakeTensorMode cannot be used: `to_empty` cannot swap a
 DTensor parameter its converter holds a weak reference to.)
 
-Measured against the trainer on CPU ranks in tests/test_plan_peak_memory.py. Ops without a meta kernel (an MoE
-router's bincount) fail: ValueError in one line.
+Measured against the trainer on CPU ranks in tests/test_plan_peak_memory.py. Ops that read values the meta device
+lacks (a Hugging Face model's .item()) fail: ValueError in one line. The built-in MoE routes uniformly on meta
+tensors (models/moe/model.py shape_only).
 """
 
 from __future__ import annotations
