@@ -3,10 +3,10 @@ built and steps twice in one 2-rank launch (tests/plan_peak_runner.py); torch's 
 the live bytes at step 2's peak, and the traced plan of the same job (plan/trace.py, plan/traced.py) must be
 within 10 % of it on every rank, for the built-in Llama, the built-in MoE (routing traced as uniform), a Hugging Face
 family (a llama folder made here) and a ViT through the image-classification task, under DDP 2 and FSDP 2 (fp32, one
-micro-batch per step); the layout trace (train/layout_peak.py) for the built-in Llama and the ViT under TP 2.
+micro-batch per step); the layout trace (train/layout_peak.py) for the built-in Llama, the HF llama folder and the
+ViT under TP 2.
 
-Not covered yet (docs/planner.md, "Measured peak memory"): a Hugging Face family under TP 2 (its forward calls
-.item() on the meta device) and expert parallelism."""
+Not covered yet (docs/planner.md, "Measured peak memory"): expert parallelism."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ LAYOUTS = {
     "fsdp2": ["parallel.dp_shard=2"],
 }
 TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
-TP_FAMILIES = ("llama", "vit")
+TP_FAMILIES = ("llama", "hf_llama", "vit")
 
-pytestmark = pytest.mark.slow  # one 2-rank launch building eleven trainers
+pytestmark = pytest.mark.slow  # one 2-rank launch building twelve trainers
 
 
 def _families(tmp: Path) -> dict[str, list[str]]:

@@ -38,6 +38,25 @@ def _meta_batch(task_name: str, spec: Any, layout: Any, seq_len: int):
                      f"image-classification")  # fmt: skip
 
 
+def _unpacked_hf_masks():
+    """A context in which transformers' mask builder takes a meta batch as unpacked: it reads whether position_ids
+    restart (`.all()` on a tensor, a value meta lacks); the layout trace's batches carry no document positions, so
+    the answer is the real run's: no packed sequences, the plain causal mask."""
+    import contextlib
+    from unittest import mock
+
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return contextlib.nullcontext()
+    real = masking_utils.find_packed_sequence_indices
+
+    def on_meta(position_ids):
+        return None if position_ids.device.type == "meta" else real(position_ids)
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", on_meta)
+
+
 def layout_peak(cfg: JobConfig, world_size: int, rank: int = 0) -> dict[str, int]:
     """Peak bytes on `rank` of step 2 of the job on `world_size` ranks: {"total": bytes, category: bytes} as
     train/peak_memory.py reports a real run's. Needs no process group of its own (refused where one is running)."""
@@ -72,16 +91,17 @@ def layout_peak(cfg: JobConfig, world_size: int, rank: int = 0) -> dict[str, int
         tracker = MemTracker()
         tracker.track_external(model.module, optimizer)
         try:
-            for step in (1, 2):
-                if step == 2:  # entering again starts the peak from what is live now
-                    tracker.reset_mod_stats()
-                    tracker.track_external(model.module, optimizer)
-                with tracker:
-                    forward_backward(job, task, batches, 1.0)
-                    # Job.step's gradient norm uses foreach kernels meta tensors lack: the update and zero_grad
-                    # alone (the norm's few scalars are not counted)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+            with _unpacked_hf_masks():
+                for step in (1, 2):
+                    if step == 2:  # entering again starts the peak from what is live now
+                        tracker.reset_mod_stats()
+                        tracker.track_external(model.module, optimizer)
+                    with tracker:
+                        forward_backward(job, task, batches, 1.0)
+                        # Job.step's gradient norm uses foreach kernels meta tensors lack: the update and zero_grad
+                        # alone (the norm's few scalars are not counted)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
         except (NotImplementedError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
