@@ -1,11 +1,12 @@
 """Predicted peak memory per rank against the measured one, on CPU ranks without torch.cuda: the trainer itself is
 built and steps twice in one 2-rank launch (tests/plan_peak_runner.py); torch's MemTracker (train/peak_memory.py) gives
 the live bytes at step 2's peak, and the traced plan of the same job (plan/trace.py, plan/traced.py) must be
-within 10 % of it on every rank, for the built-in Llama, a Hugging Face family (a llama folder made here) and a ViT
-through the image-classification task, under DDP 2 and FSDP 2 (fp32, one micro-batch per step).
+within 10 % of it on every rank, for the built-in Llama, the built-in MoE (routing traced as uniform), a Hugging Face
+family (a llama folder made here) and a ViT through the image-classification task, under DDP 2 and FSDP 2 (fp32, one
+micro-batch per step); the layout trace (train/layout_peak.py) for the built-in Llama, the HF llama folder and the
+ViT under TP 2.
 
-Not covered yet (docs/planner.md, "Measured peak memory"): TP 2 (a traced plan covers data-parallel layouts only)
-and the built-in MoE (its router's bincount has no fake-tensor kernel: the trace refuses it)."""
+Not covered yet (docs/planner.md, "Measured peak memory"): expert parallelism."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ LAYOUTS = {
     "fsdp2": ["parallel.dp_shard=2"],
 }
 TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]
-TP_FAMILIES = ("llama", "vit")
+TP_FAMILIES = ("llama", "hf_llama", "vit")
 
-pytestmark = pytest.mark.slow  # one 2-rank launch building six trainers
+pytestmark = pytest.mark.slow  # one 2-rank launch building twelve trainers
 
 
 def _families(tmp: Path) -> dict[str, list[str]]:
@@ -42,6 +43,7 @@ def _families(tmp: Path) -> dict[str, list[str]]:
     images = prepare(tmp, make_tree(tmp / "tree", per_class=8), "--shard-images", "40")
     return {
         "llama": ["model.name=tiny", *lm],
+        "moe": ["model.name=moe-tiny", *lm],  # routing traced uniform: models/moe/model.py shape_only
         "hf_llama": [f"model.hf={save_hf_folder(tmp / 'hf_llama', FAMILIES['llama'])}", *lm],
         "vit": [
             "task.name=image-classification",
@@ -76,7 +78,7 @@ def predicted(overrides: list[str]) -> tuple[dict, dict[str, float]]:
     return layout.to_dict(), traced_memory(trace, layout, cluster_for("cpu", 2, None, None, None, None, None, None))
 
 
-@pytest.mark.parametrize("job", [f"{f}_{lay}" for f in ("llama", "hf_llama", "vit") for lay in LAYOUTS])
+@pytest.mark.parametrize("job", [f"{f}_{lay}" for f in ("llama", "moe", "hf_llama", "vit") for lay in LAYOUTS])
 def test_predicted_peak_per_rank_is_within_10_percent_of_the_measured(measured, job):
     overrides, ranks = measured[job]
     layout, lines = predicted(overrides)

@@ -255,7 +255,14 @@ def plan(
                 as_json,
             )
             return
-    if factory is not None or use_trace or (config_model and shape is None):
+    preset_traced = (
+        config is None
+        and hf_path is None
+        and params is None
+        and not any(v is not None for v in shape_flags.values())
+        and _traced_preset(model)
+    )
+    if factory is not None or use_trace or preset_traced or (config_model and shape is None):
         # a model the decoder formulas do not describe (or asked for): planned from its trace
         _plan_from_trace(
             factory, hf_path, config if config_model else None, model, seq_len, global_batch, cluster, opts, as_json
@@ -351,6 +358,14 @@ def _job_config(config_args):
         return load_config(path, overrides)
     except ConfigError as e:
         fail(str(e))
+
+
+def _traced_preset(name: str) -> bool:
+    """True for a preset of a family the decoder formulas do not describe (a ViT, a diffusion UNet, ...): `plan
+    --model NAME` plans it from its trace."""
+    from scaletrain.models.registry import preset_spec, presets
+
+    return name in presets() and preset_spec(name).shape() is None
 
 
 def _config_shape(cfg):

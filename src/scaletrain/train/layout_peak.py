@@ -6,8 +6,9 @@ counts the bytes each meta storage would hold. No formulas: what TP splits, whic
 autograd keeps are the trainer's and the model's own. (FakeTensorMode cannot be used: `to_empty` cannot swap a
 DTensor parameter its converter holds a weak reference to.)
 
-Measured against the trainer on CPU ranks in tests/test_plan_peak_memory.py. Ops without a meta kernel (an MoE
-router's bincount) fail: ValueError in one line.
+Measured against the trainer on CPU ranks in tests/test_plan_peak_memory.py. Ops that read values the meta device
+lacks (a Hugging Face model's .item()) fail: ValueError in one line. The built-in MoE routes uniformly on meta
+tensors (models/moe/model.py shape_only).
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ def _meta_batch(task_name: str, spec: Any, layout: Any, seq_len: int):
         return Batch(tokens, tokens.clone())
     raise ValueError(f"task.name: a layout trace knows no meta batch of {task_name!r}; use causal-lm or "
                      f"image-classification")  # fmt: skip
+
+
+def _unpacked_hf_masks():
+    """A context in which transformers' mask builder takes a meta batch as unpacked: it reads whether position_ids
+    restart (`.all()` on a tensor, a value meta lacks); the layout trace's batches carry no document positions, so
+    the answer is the real run's: no packed sequences, the plain causal mask."""
+    import contextlib
+    from unittest import mock
+
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return contextlib.nullcontext()
+    real = masking_utils.find_packed_sequence_indices
+
+    def on_meta(position_ids):
+        return None if position_ids.device.type == "meta" else real(position_ids)
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", on_meta)
 
 
 def layout_peak(cfg: JobConfig, world_size: int, rank: int = 0) -> dict[str, int]:
@@ -71,16 +91,17 @@ def layout_peak(cfg: JobConfig, world_size: int, rank: int = 0) -> dict[str, int
         tracker = MemTracker()
         tracker.track_external(model.module, optimizer)
         try:
-            for step in (1, 2):
-                if step == 2:  # entering again starts the peak from what is live now
-                    tracker.reset_mod_stats()
-                    tracker.track_external(model.module, optimizer)
-                with tracker:
-                    forward_backward(job, task, batches, 1.0)
-                    # Job.step's gradient norm uses foreach kernels meta tensors lack: the update and zero_grad
-                    # alone (the norm's few scalars are not counted)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+            with _unpacked_hf_masks():
+                for step in (1, 2):
+                    if step == 2:  # entering again starts the peak from what is live now
+                        tracker.reset_mod_stats()
+                        tracker.track_external(model.module, optimizer)
+                    with tracker:
+                        forward_backward(job, task, batches, 1.0)
+                        # Job.step's gradient norm uses foreach kernels meta tensors lack: the update and zero_grad
+                        # alone (the norm's few scalars are not counted)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
         except (NotImplementedError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(

@@ -253,6 +253,18 @@ class DiffusionSpec(ModelSpec):
         """Classes the model is conditioned on; 0 for an unconditional model."""
         return int(self.args.config_dict.get(CLASS_KEYS[self.args.model_class]) or 0)
 
+    def example_inputs(self, samples: int) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """One micro-batch as the diffusion task feeds the forward (tasks/diffusion.py inputs): x_t, the timesteps
+        and, for a class-conditional model, the classes; what the planner traces (plan/trace.py)."""
+        import torch
+
+        size, channels = self.image_size, self.num_channels
+        noisy = torch.zeros((samples, channels, size, size))
+        timesteps = torch.zeros((samples,), dtype=torch.int64)
+        if self.num_classes:
+            return (noisy, timesteps, torch.zeros((samples,), dtype=torch.int64)), {}
+        return (noisy, timesteps), {}
+
     # -- numbers --------------------------------------------------------------------------------------------
     def num_params(self) -> int:
         return sum(p.numel() for p in self.meta_model.parameters())

@@ -30,6 +30,29 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
+def shape_only(x: torch.Tensor) -> bool:
+    """True when `x` has shapes but no values (the meta device, or a fake tensor of the planner's trace): routing then
+    assumes uniform load, every expert taking an equal share of the (token, choice) pairs (plan/trace.py)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return x.device.type == "meta" or isinstance(x, FakeTensor)
+
+
+def expert_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Pairs per expert, int64 (n_experts,): bincount's values through scatter_add_, whose output shape does not
+    depend on the values, so meta and fake tensors (the planner's trace) take it too."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def split_sizes(x: torch.Tensor, counts: torch.Tensor) -> list[int]:
+    """Rows of `x` per expert: `counts` read back, or under shape-only tracing an even split (the first experts one
+    row more), as uniform routing would give."""
+    if shape_only(x) or shape_only(counts):
+        n, k = x.shape[0], counts.shape[0]
+        return [n // k + (1 if e < n % k else 0) for e in range(k)]
+    return [int(c) for c in counts.tolist()]
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
     """torch._grouped_mm for the experts' matmuls: CUDA with bf16 only. On CPU (torch 2.13) its forward runs for
     16-byte-aligned strides but its backward fails ("Invalid strides/sizes"), so CPU ranks loop over experts."""
@@ -53,7 +76,7 @@ class GroupedExperts(nn.Module):
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
             return torch._grouped_mm(h, w2, offs=offsets)
         outs = []
-        for e, part in enumerate(torch.split(x, counts.tolist())):
+        for e, part in enumerate(torch.split(x, split_sizes(x, counts))):
             outs.append((F.silu(part @ w1[e]) * (part @ w3[e])) @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
@@ -123,7 +146,7 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         aux = None
         if self.training and a.aux_loss_coef > 0:
-            load = torch.bincount(chosen.flatten(), minlength=a.n_experts).float() / chosen.numel()
+            load = expert_counts(chosen.flatten(), a.n_experts).float() / chosen.numel()
             probs = scores / scores.sum(-1, keepdim=True)
             aux = a.aux_loss_coef * a.n_experts * (load * probs.mean(0)).sum()
         return weights, chosen, aux
@@ -135,11 +158,13 @@ class MoEFeedForward(nn.Module):
         weights, chosen, aux = self.route(x)
         flat = chosen.flatten()  # (T·k,): pair i is token i // k's choice i % k
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=a.n_experts)
+        counts = expert_counts(flat, a.n_experts)
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        if a.capacity_factor > 0:  # keep each expert's first `capacity` pairs in token order
+        # shape-only tracing routes uniformly: no expert exceeds a capacity factor >= 1, nothing is dropped
+        if a.capacity_factor > 0 and not (shape_only(x) and a.capacity_factor >= 1):
+            # keep each expert's first `capacity` pairs in token order
             capacity = math.ceil(a.capacity_factor * flat.numel() / a.n_experts)
             starts = torch.cumsum(counts, 0) - counts
             rank_in_expert = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
