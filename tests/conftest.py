@@ -109,8 +109,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker per core, at most 4 (each worker's tests start up to 8 ranks of their own)."""
-    return max(1, min(os.cpu_count() or 1, 4))
+    """`-n auto`: one worker per core this process may run on (a container's CPU set, not the host's count), at most
+    4 (each worker's tests start up to 8 ranks of their own)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 4))
 
 
 @pytest.fixture
