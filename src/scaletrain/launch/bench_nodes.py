@@ -125,6 +125,10 @@ def measure_across_nodes(
     speed_up_rendezvous_events()
     try:
         results = elastic_launch(agent, measure_world_collectives)(sizes, "cuda" if on_gpu else "cpu", amid)
+        # a node's agent has left the rendezvous only when its elastic_launch returns: node 0, whose process serves
+        # the store, keeps it open until every node has (under load it closed first, and node 1's agent failed to
+        # shut its rendezvous down on the lost connection)
+        _meet(store, nodes, node_rank, {}, "left")
     finally:
         rdzv.server = None
     return next(iter(results.values()))  # every rank returns the same slowest-rank times
