@@ -79,7 +79,7 @@ def val_losses(run_dir: Path) -> list[float]:
     return [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
 
 
-# `pytest -n auto` (pytest-xdist, README's test command) runs test files side by side on the host's cores. Each file
+# `pytest -n auto` (pytest-xdist; README offers it, CI runs one process) runs test files side by side. Each file
 # stays whole on one worker (its module-scoped launches are shared by its tests, never run twice), and the files that
 # start simulated nodes or a Slurm share one worker, one after another. Heavy files go first, so the last file to
 # start on a worker is a short one.
@@ -96,16 +96,15 @@ def _group(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {item: _group(item) for item in items}
     weight: dict[str, int] = {}
-    for item in items:
-        group = _group(item)
+    first: dict[str, int] = {}
+    for i, (item, group) in enumerate(groups.items()):
         weight[group] = weight.get(group, 0) + (SLOW_WEIGHT if item.get_closest_marker("slow") else 1)
+        first.setdefault(group, i)
         item.add_marker(pytest.mark.xdist_group(group))
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(_group(item), i)
     # heaviest group first; within a group, collection order (a stable sort)
-    items.sort(key=lambda item: (-weight[_group(item)], first[_group(item)]))
+    items.sort(key=lambda item: (-weight[groups[item]], first[groups[item]]))
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
