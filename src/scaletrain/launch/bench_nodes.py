@@ -44,13 +44,22 @@ def _store(endpoint: str, server):
 
 
 def _meet(store, nodes: int, node_rank: int, record: dict, stage: str) -> list[dict | None]:
-    """Wait for every node's agent (torch elastic's store barrier) and return what each published."""
-    from torch.distributed.elastic.utils.store import barrier
+    """Wait for every node's agent (torch elastic's store barrier) and return what each published. Node 0, whose
+    process serves the store and may close it as soon as this returns (a refusal, the end), returns only once every
+    node has read: under load a node still reading lost the connection."""
+    from torch.distributed.elastic.utils.store import barrier, store_timeout
 
-    store.set(f"scaletrain-bench/{stage}/node{node_rank}", json.dumps(record))
-    barrier(store, nodes, f"scaletrain-bench/{stage}/barrier", barrier_timeout=STORE_TIMEOUT_S)
-    keys = [f"scaletrain-bench/{stage}/node{i}" for i in range(nodes)]
-    return [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
+    prefix = f"scaletrain-bench/{stage}"
+    store.set(f"{prefix}/node{node_rank}", json.dumps(record))
+    barrier(store, nodes, f"{prefix}/barrier", barrier_timeout=STORE_TIMEOUT_S)
+    keys = [f"{prefix}/node{i}" for i in range(nodes)]
+    records = [json.loads(store.get(k)) if store.check([k]) else None for k in keys]
+    if store.add(f"{prefix}/read", 1) == nodes:
+        store.set(f"{prefix}/all-read", "")  # acknowledged by the server before this node lets go of the store
+    if node_rank == 0:
+        with store_timeout(store, STORE_TIMEOUT_S):
+            store.wait([f"{prefix}/all-read"])
+    return records
 
 
 def run_node_bench(
