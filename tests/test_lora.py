@@ -127,6 +127,8 @@ LAYOUTS = {
     # adapters follow their base's split: colwise base -> A whole, B colwise; rowwise base -> A rowwise, B whole
     "tp_sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true"],
 }
+# 4 ranks: the TP-split adapters (above) inside FSDP2's shards of the 2-D mesh, the layout peers report as broken
+LAYOUTS4 = {"tp2_fsdp2": ["parallel.tp=2", "parallel.dp_shard=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +140,19 @@ def layouts(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n != "fsdp" else n for n in LAYOUTS])
-def test_layout_losses_equal_one_process(layouts, layout):
+@pytest.fixture(scope="module")
+def layouts4(layouts):
+    """The 4-rank layouts, beside the 2-rank ones (one launch, slow tier only)."""
+    launch_runner(4, {n: [f"train.steps={STEPS}", *LORA, *o] for n, o in LAYOUTS4.items()}, layouts)
+    return layouts
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=pytest.mark.slow) if n != "fsdp" else n for n in [*LAYOUTS, *LAYOUTS4]]
+)
+def test_layout_losses_equal_one_process(request, layouts, layout):
+    if layout in LAYOUTS4:
+        layouts = request.getfixturevalue("layouts4")
     ref, got = runner_losses(layouts / "single"), runner_losses(layouts / layout)
     assert len(ref) == len(got) == STEPS
     for step, (a, b) in enumerate(zip(ref, got), 1):

@@ -31,7 +31,10 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
     from scaletrain.models.lora import check_lora
 
     check_lora(cfg.lora, spec)
-    if cfg.lora.quantize != "none":  # bitsandbytes 0.50 installs beside torch 2.13; its Params4bit is not wired in
+    # bitsandbytes 0.50.2 installs beside torch 2.13.0 (CPU) and its nf4 Linear4bit runs forward and backward on CPU,
+    # but its packed uint8 Params4bit keeps the quant state outside the tensor, which FSDP2/TP cannot shard; torchao
+    # 0.18's NF4Tensor (torchao.quantization, no longer torchao.dtypes.nf4tensor) has FSDP2's all-gather hooks
+    if cfg.lora.quantize != "none":
         raise ValueError(
             "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet: its packed weights are not "
             "sharded by FSDP2/TP here; use lora.quantize='none'"
