@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from scaletrain.models.spec import HFAdapter
 
 SUPPORTED = ("LlavaForConditionalGeneration",)  # forwards taking (input_ids, pixel_values) of whole images
+# what a vision tower computes after the hidden states LLaVA reads (vision_feature_layer): never in the loss
+UNUSED_TOWER_MODULES = ("post_layernorm", "head", "vision_model.post_layernorm", "vision_model.head")
 # what a save_pretrained processor writes beside config.json: copied into an export so it loads with AutoProcessor
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "chat_template.json", "chat_template.jinja", "tokenizer.model")  # fmt: skip
@@ -165,8 +167,16 @@ class VLMSpec(HFSpec):
                 "language": [m.model.language_model, m.lm_head]}  # fmt: skip
 
     def build(self, device: Any = "meta") -> nn.Module:
-        """transformers' model with the parts model.freeze names left out of training (requires_grad off)."""
+        """transformers' model with the parts model.freeze names left out of training (requires_grad off), and the
+        vision tower's modules after the layer LLaVA reads (CLIP's post_layernorm, SigLIP's pooling head) too: the
+        model takes the tower's hidden states, so they never get a gradient (DDP would wait for one)."""
         model = super().build(device)
+        tower = cast(Any, model).model.vision_tower
+        for unused in UNUSED_TOWER_MODULES:
+            try:
+                tower.get_submodule(unused).requires_grad_(False)
+            except AttributeError:
+                continue
         parts = self.parts(model)
         for part in self.args.frozen:
             for module in parts[part]:
