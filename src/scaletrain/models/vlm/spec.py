@@ -207,6 +207,17 @@ class VLMSpec(HFSpec):
     def stage(self, model: nn.Module, stage: int, n_stages: int, bounds: tuple[int, int]) -> nn.Module:
         raise ValueError("parallel.pp: the vision-language family has no pipeline cut yet; use parallel.pp=1")
 
+    def check_tp(self, tp: int, words: Any = None) -> None:
+        """Refused: transformers' plan of the language model applies (tp.base_plan reads the text config's), but
+        the vision tower's non-persistent buffers (init_buffers) are then copied from plain tensors into replicated
+        DTensors, which torch 2.13 refuses (aten.copy_ with mixed tensors); not split yet."""
+        if tp > 1:
+            raise ValueError("parallel.tp: tensor parallelism of a vision-language model is not supported yet; use "
+                             "parallel.tp=1 and FSDP (parallel.dp_shard) to spread it")  # fmt: skip
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        raise ValueError("parallel.tp: tensor parallelism of a vision-language model is not supported yet")
+
     def lora_targets(self) -> list[str]:
         raise ValueError("lora.targets: LoRA on a vision-language model is not built yet; use model.freeze")
 
