@@ -117,6 +117,10 @@ def _transformers_spec(model: nn.Module) -> ModelSpec | None:
 
     if type(model).__name__ in image_classifier_types().values():  # a ViT, ResNet, ConvNeXt ... classifier
         return VisionSpec.of_model(model)
+    from scaletrain.models.vlm.spec import SUPPORTED, VLMSpec
+
+    if type(model).__name__ in SUPPORTED:  # a LLaVA-style vision-language model
+        return VLMSpec.of_model(model)
     from scaletrain.models.hf.spec import HFSpec
 
     return HFSpec.of_model(model)

@@ -28,7 +28,8 @@ def data() -> None:
     default=None,
     metavar="PATH|bytes",
     help="A Hugging Face tokenizer folder or tokenizer.json (read locally, nothing downloaded), or `bytes`: "
-    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos). Required but for --format images.",
+    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos). Required but for --format images "
+    "and image-text.",
 )
 @click.option("--text-key", default="text", show_default=True, help="JSON key / column holding each document.")
 @click.option(
@@ -62,27 +63,32 @@ def data() -> None:
 @click.option(
     "--format",
     "data_format",
-    type=click.Choice(["text", "chat", "prompt-completion", "images"]),
+    type=click.Choice(["text", "chat", "prompt-completion", "images", "image-text"]),
     default="text",
     show_default=True,
     help="text: documents, every token trained. chat: records holding a messages list, rendered with the "
     "tokenizer's chat template, loss on the assistant turns only. prompt-completion: two fields, loss on the "
     "completion only. images: a class-per-folder image tree or a .jsonl of path/label records, into WebDataset "
-    "tar shards (no tokenizer).",
+    "tar shards (no tokenizer). image-text: .jsonl/.parquet rows of an image path and a caption or a chat "
+    "messages list, into the same shards (tokenized in training by the model's own processor).",
 )
 @click.option(
     "--shard-images",
     type=click.IntRange(min=1),
     default=10_000,
     show_default=True,
-    help="--format images: images per tar shard.",
+    help="--format images / image-text: images per tar shard.",
 )
 @click.option(
     "--skip-bad-images",
     is_flag=True,
     help="--format images: leave unreadable images out (counted in the manifest) instead of stopping at the first.",
 )
-@click.option("--messages-key", default="messages", show_default=True, help="--format chat: the messages list's key.")
+@click.option(
+    "--messages-key", default="messages", show_default=True, help="--format chat / image-text: the messages list's key."
+)
+@click.option("--image-key", default="image", show_default=True, help="--format image-text: the image path's key.")
+@click.option("--caption-key", default="caption", show_default=True, help="--format image-text: the caption's key.")
 @click.option("--prompt-key", default="prompt", show_default=True, help="--format prompt-completion: the prompt's key.")
 @click.option(
     "--completion-key", default="completion", show_default=True, help="--format prompt-completion: the answer's key."
@@ -119,6 +125,8 @@ def prepare_cmd(
     overlong: str | None,
     shard_images: int,
     skip_bad_images: bool,
+    image_key: str,
+    caption_key: str,
 ) -> None:
     """Tokenize INPUT... (text files or folders, JSON Lines (.jsonl, .jsonl.gz), Parquet, `datasets.save_to_disk`
     folders) into token shards with a manifest in --out.
@@ -137,8 +145,9 @@ def prepare_cmd(
         check_writable_folder(out, "--out")
     except ValueError as e:
         fail(str(e))
-    if data_format == "images":
-        _prepare_images(inputs, out, val_share, shard_images, skip_bad_images)
+    if data_format in ("images", "image-text"):
+        _prepare_images(inputs, out, val_share, shard_images, skip_bad_images, data_format,
+                        (image_key, caption_key, messages_key))  # fmt: skip
         return
     if tokenizer is None:
         fail(f"--tokenizer: required for --format {data_format}; give a tokenizer folder, tokenizer.json or `bytes`")
@@ -203,19 +212,35 @@ def prepare_cmd(
         )
 
 
-def _prepare_images(inputs: tuple[str, ...], out: Path, val_share: float, shard_images: int, skip_bad: bool) -> None:
-    from scaletrain.data.image_prepare import ImagePrepareError, ImagePrepareOptions, prepare_images
+def _prepare_images(
+    inputs: tuple[str, ...],
+    out: Path,
+    val_share: float,
+    shard_images: int,
+    skip_bad: bool,
+    data_format: str = "images",
+    keys: tuple[str, str, str] = ("image", "caption", "messages"),
+) -> None:
+    from scaletrain.data.image_prepare import (
+        ImagePrepareError,
+        ImagePrepareOptions,
+        prepare_image_text,
+        prepare_images,
+    )
 
-    options = ImagePrepareOptions(val_share=val_share, shard_images=shard_images, skip_bad=skip_bad)
+    options = ImagePrepareOptions(val_share=val_share, shard_images=shard_images, skip_bad=skip_bad,
+                                  image_key=keys[0], text_key=keys[1], messages_key=keys[2])  # fmt: skip
+    write = prepare_image_text if data_format == "image-text" else prepare_images
     try:
-        m = prepare_images([Path(p) for p in inputs], out, options)
+        m = write([Path(p) for p in inputs], out, options)
     except ImagePrepareError as e:
         fail(str(e))
     except OSError as e:
         fail(f"{e.filename or out}: {e.strerror or e}", code=EXIT_FAILED)
     train, val = m.splits["train"], m.splits["val"]
     skipped = f", {m.skipped:,} unreadable image(s) skipped" if m.skipped else ""
-    click.echo(f"{out}: {m.num_labels} classes; train {train['samples']:,} images in {len(train['shards'])} "
+    what = "image-text rows" if data_format == "image-text" else f"{m.num_labels} classes"
+    click.echo(f"{out}: {what}; train {train['samples']:,} images in {len(train['shards'])} "
                f"shard(s), val {val['samples']:,} images{skipped}")  # fmt: skip
 
 

@@ -8,6 +8,12 @@ stops the prepare naming its path (exit 2), or with skip_bad is left out and cou
 folder stops it too. The image bytes are stored as given (no re-encoding): what a user's other tools read is the
 original file. A sample goes to the validation split by a hash of its index (val_share of them), the same on every
 run.
+
+`--format image-text` (vision-language models): JSON Lines or Parquet rows, each naming its image (`image_key`,
+a path relative to the file's folder) and its text: a caption (`text_key`) or a chat-style messages list
+(`messages_key`, the turns as transformers' chat templates take them, the image a {"type": "image"} content item).
+The same shards, with the row's text as a KEY.json member beside the image (data/images.py); no classes. A row
+without its image key or without any text stops the prepare naming the file and row (exit 2).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletrain.data.images import MANIFEST, ImageManifest
+from scaletrain.data.images import FORMAT, IMAGE_TEXT, MANIFEST, ImageManifest
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 
@@ -35,6 +41,7 @@ class ImagePrepareError(ValueError):
 class ImageSample:
     path: Path
     label: int
+    text: bytes | None = None  # an image-text row's {"caption"} or {"messages"}, UTF-8 JSON
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,9 @@ class ImagePrepareOptions:
     val_share: float = 0.01
     shard_images: int = 10_000  # samples per tar shard
     skip_bad: bool = False  # leave unreadable images out (counted in the manifest) instead of stopping
+    image_key: str = "image"  # image-text rows: the image path's key
+    text_key: str = "caption"  # image-text rows: the caption's key
+    messages_key: str = "messages"  # image-text rows: the chat messages' key (used when the caption's is absent)
 
 
 def _from_tree(root: Path) -> tuple[list[str], list[ImageSample]]:
@@ -122,22 +132,29 @@ class _ShardWriter:
         self.shards: list[dict] = []
         self.samples = 0
         self._tar: tarfile.TarFile | None = None
-        self._rows: list[tuple[int, int, int]] = []
+        self._rows: list[tuple[int, ...]] = []
 
-    def add(self, key: int, suffix: str, data: bytes, label: int) -> None:
+    def _member(self, name: str, data: bytes) -> tuple[int, int]:
+        """Add a member; (its data's offset in the tar, its size)."""
+        assert self._tar is not None
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        header = info.tobuf(tarfile.USTAR_FORMAT, self._tar.encoding, self._tar.errors)
+        offset = self._tar.offset + len(header)  # the data follows its header
+        self._tar.addfile(info, io.BytesIO(data))
+        return offset, len(data)
+
+    def add(self, key: int, suffix: str, data: bytes, label: int, text: bytes | None = None) -> None:
         if self._tar is None:
             name = f"{self.split}-{len(self.shards):05d}.tar"
             self._tar = tarfile.open(self.out / name, "w", format=tarfile.USTAR_FORMAT)
             self._rows = []
-        image = tarfile.TarInfo(f"{key:09d}{suffix.lower()}")
-        image.size = len(data)
-        header = image.tobuf(tarfile.USTAR_FORMAT, self._tar.encoding, self._tar.errors)
-        self._rows.append((self._tar.offset + len(header), len(data), label))  # the data follows its header
-        self._tar.addfile(image, io.BytesIO(data))
-        text = str(label).encode()
-        cls = tarfile.TarInfo(f"{key:09d}.cls")
-        cls.size = len(text)
-        self._tar.addfile(cls, io.BytesIO(text))
+        image = self._member(f"{key:09d}{suffix.lower()}", data)
+        if text is None:
+            self._member(f"{key:09d}.cls", str(label).encode())
+            self._rows.append((*image, label))
+        else:
+            self._rows.append((*image, label, *self._member(f"{key:09d}.json", text)))
         self.samples += 1
         if len(self._rows) >= self.per_shard:
             self.close()
@@ -148,7 +165,7 @@ class _ShardWriter:
         self._tar.close()
         tar = Path(self._tar.name)  # type: ignore[arg-type]
         index = tar.with_name(tar.name.removesuffix(".tar") + ".idx.npy")
-        np.save(index, np.array(self._rows, dtype=np.int64).reshape(-1, 3))
+        np.save(index, np.array(self._rows, dtype=np.int64).reshape(len(self._rows), -1))
         self.shards.append({"tar": tar.name, "index": index.name, "samples": len(self._rows),
                             "bytes": tar.stat().st_size})  # fmt: skip
         self._tar = None
@@ -161,6 +178,12 @@ def prepare_images(inputs: list[Path], out: Path, options: ImagePrepareOptions) 
     """Check each image and write it into the shards of its split (one image in memory at a time), then write
     manifest.json last; returns the manifest."""
     classes, samples = collect(inputs)
+    return _write(classes, samples, out, options, FORMAT)
+
+
+def _write(
+    classes: list[str], samples: list[ImageSample], out: Path, options: ImagePrepareOptions, fmt: str
+) -> ImageManifest:
     out.mkdir(parents=True, exist_ok=True)
     (out / MANIFEST).unlink(missing_ok=True)  # written last: an unfinished folder never looks complete
     writers = {split: _ShardWriter(out, split, options.shard_images) for split in ("train", "val")}
@@ -174,11 +197,62 @@ def prepare_images(inputs: list[Path], out: Path, options: ImagePrepareOptions) 
             skipped += 1
             continue
         split = "val" if _is_val(key, options.val_share) else "train"
-        writers[split].add(key, sample.path.suffix, data, sample.label)
+        writers[split].add(key, sample.path.suffix, data, sample.label, sample.text)
     for writer in writers.values():
         writer.close()
-    manifest = ImageManifest(classes, {s: w.split_entry() for s, w in writers.items()}, skipped)
+    manifest = ImageManifest(classes, {s: w.split_entry() for s, w in writers.items()}, skipped, fmt)
     tmp = out / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(manifest.to_json())
     os.replace(tmp, out / MANIFEST)
     return manifest
+
+
+def _rows(path: Path) -> list[tuple[str, object]]:
+    """(where, row) of a .jsonl or .parquet file: `where` is "FILE:LINE" or "FILE row N" for messages."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return [(f"{path} row {n}", row) for n, row in enumerate(pq.read_table(path).to_pylist(), 1)]
+    rows: list[tuple[str, object]] = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{path}:{n}", json.loads(line)))
+            except ValueError:
+                raise ImagePrepareError(f"{path}:{n}: not a JSON record") from None
+    return rows
+
+
+def collect_image_text(inputs: list[Path], options: ImagePrepareOptions) -> list[ImageSample]:
+    """The samples of .jsonl / .parquet files of image-text rows (module docstring); ImagePrepareError (one line
+    naming the file and row) for a row without its image or text."""
+    samples = []
+    for source in inputs:
+        if not source.is_file() or source.suffix not in (".jsonl", ".parquet"):
+            raise ImagePrepareError(f"{source}: --format image-text takes .jsonl or .parquet files of rows with "
+                                    f"an image path and a caption or messages")  # fmt: skip
+        for where, row in _rows(source):
+            if not isinstance(row, dict) or not isinstance(row.get(options.image_key), str):
+                raise ImagePrepareError(f"{where}: no {options.image_key!r} key (the image's path); give every row "
+                                        f"its image, or name the key with --image-key")  # fmt: skip
+            caption, messages = row.get(options.text_key), row.get(options.messages_key)
+            if isinstance(caption, str) and caption:
+                text: dict = {"caption": caption}
+            elif isinstance(messages, list) and messages:
+                text = {"messages": messages}
+            else:
+                raise ImagePrepareError(f"{where}: no {options.text_key!r} caption or {options.messages_key!r} list; "
+                                        f"give every row its text (--text-key, --messages-key)")  # fmt: skip
+            image = Path(row[options.image_key])
+            samples.append(ImageSample(image if image.is_absolute() else source.parent / image, -1,
+                                       json.dumps(text, ensure_ascii=False).encode()))  # fmt: skip
+    if not samples:
+        raise ImagePrepareError(f"{inputs[0] if inputs else 'INPUT'}: no image-text rows found")
+    return samples
+
+
+def prepare_image_text(inputs: list[Path], out: Path, options: ImagePrepareOptions) -> ImageManifest:
+    """`--format image-text`: each row's image checked and written with its text into the shards of its split."""
+    return _write([], collect_image_text(inputs, options), out, options, IMAGE_TEXT)

@@ -6,6 +6,10 @@ Layout of a prepared folder (`scaletrain data prepare --format images`, data/ima
     train-00000.tar          members KEY.png|jpg|... (the image's bytes as given) and KEY.cls (its label, decimal)
     train-00000.idx.npy      int64 (samples, 3): the image member's data offset in the tar, its size, its label
 
+An image-text folder (`--format image-text`, for vision-language models) is the same with format "image-text", no
+classes (label -1), and a third member per sample, KEY.json (the row's caption or chat messages, UTF-8 JSON), whose
+offset and size are the index's columns 3 and 4.
+
 WebDataset (`webdataset.WebDataset("train-{00000..00009}.tar")`), `tar tf` and any tar reader see a sample as the
 members sharing a KEY; the index lets scaletrain read any sample with one positioned read (os.pread on a descriptor
 opened once), so the loader reads samples in any order with memory flat in the dataset's size (the index and the
@@ -30,6 +34,7 @@ import torch
 from scaletrain.data.order import cached_permutation
 
 FORMAT = "images"
+IMAGE_TEXT = "image-text"  # the format of image-caption / image-chat folders (same shards, a KEY.json member more)
 MANIFEST = "manifest.json"
 MEAN, STD = 0.5, 0.5  # pixels in [0, 1] are fed as (x - MEAN) / STD, transformers' ViT image processor's default
 CROP_PAD = 4  # pixels of reflection padding before the random crop (the CIFAR recipe)
@@ -44,13 +49,14 @@ class ImageManifest:
     classes: list[str]
     splits: dict[str, dict]  # split -> {"samples": n, "shards": [{"tar", "index", "samples", "bytes"}]}
     skipped: int = 0  # unreadable images left out by --skip-bad-images
+    format: str = FORMAT  # "images" or "image-text"
 
     @property
     def num_labels(self) -> int:
         return len(self.classes)
 
     def to_json(self) -> str:
-        body = {"format": FORMAT, "version": 1, "classes": self.classes, "num_labels": self.num_labels,
+        body = {"format": self.format, "version": 1, "classes": self.classes, "num_labels": self.num_labels,
                 "splits": self.splits, "skipped_images": self.skipped}  # fmt: skip
         return json.dumps(body, indent=1) + "\n"
 
@@ -63,29 +69,31 @@ def is_image_folder(path: str | Path) -> bool:
         return False
 
 
-def read_manifest(folder: str | Path, field: str = "data.path") -> ImageManifest:
-    """The manifest of a prepared image folder; ImageDataError (one line naming `field`) when it is not one."""
+def read_manifest(folder: str | Path, field: str = "data.path", fmt: str = FORMAT) -> ImageManifest:
+    """The manifest of a prepared image folder of format `fmt`; ImageDataError (one line naming `field`) when it is
+    not one."""
     path = Path(folder) / MANIFEST
     try:
         body = json.loads(path.read_text())
     except OSError:
         raise ImageDataError(f"{field}: {folder} has no {MANIFEST}; prepare it with "
-                             f"`scaletrain data prepare --format images`") from None  # fmt: skip
+                             f"`scaletrain data prepare --format {fmt}`") from None  # fmt: skip
     except ValueError as e:
         raise ImageDataError(f"{field}: {path} is not valid JSON ({e})") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ImageDataError(f"{field}: {folder} is not an image dataset (its manifest's format is "
+    if not isinstance(body, dict) or body.get("format") != fmt:
+        what = "an image" if fmt == FORMAT else f"an {fmt}"
+        raise ImageDataError(f"{field}: {folder} is not {what} dataset (its manifest's format is "
                              f"{body.get('format', 'tokens') if isinstance(body, dict) else '?'!r}); prepare it "
-                             f"with --format images")  # fmt: skip
-    return ImageManifest(list(body["classes"]), dict(body["splits"]), int(body.get("skipped_images", 0)))
+                             f"with --format {fmt}")  # fmt: skip
+    return ImageManifest(list(body["classes"]), dict(body["splits"]), int(body.get("skipped_images", 0)), fmt)
 
 
 class ImageShards:
     """One split of a prepared image folder: sample i's encoded bytes and label, read with one pread each."""
 
-    def __init__(self, folder: str | Path, split: str, cache_dir: Path | None = None):
+    def __init__(self, folder: str | Path, split: str, cache_dir: Path | None = None, fmt: str = FORMAT):
         self.folder = Path(folder)
-        manifest = read_manifest(folder)
+        manifest = read_manifest(folder, fmt=fmt)
         self.classes = manifest.classes
         shards = manifest.splits.get(split, {"samples": 0, "shards": []})["shards"]
         self.num_samples = sum(int(s["samples"]) for s in shards)
@@ -101,12 +109,21 @@ class ImageShards:
             fd = self._fds[shard] = os.open(self.tars[shard], os.O_RDONLY)
         return fd
 
+    def _row(self, i: int) -> tuple[int, np.ndarray]:
+        shard = int(np.searchsorted(self.ends, i, side="right"))
+        return shard, self.indexes[shard][i - (int(self.ends[shard - 1]) if shard else 0)]
+
     def read(self, i: int) -> tuple[bytes, int]:
         """(encoded image bytes, label) of sample i."""
-        shard = int(np.searchsorted(self.ends, i, side="right"))
-        row = self.indexes[shard][i - (int(self.ends[shard - 1]) if shard else 0)]
+        shard, row = self._row(i)
         offset, size, label = int(row[0]), int(row[1]), int(row[2])
         return os.pread(self._fd(shard), size, offset), label
+
+    def read_text(self, i: int) -> dict:
+        """The text record (KEY.json: {"caption": ...} or {"messages": [...]}) of sample i of an image-text
+        folder."""
+        shard, row = self._row(i)
+        return json.loads(os.pread(self._fd(shard), int(row[4]), int(row[3])))
 
     def labels(self) -> np.ndarray:
         """Every sample's label (int64), in order."""

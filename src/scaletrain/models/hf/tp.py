@@ -35,7 +35,12 @@ KNOWN = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "
 
 
 def base_plan(spec: Any) -> dict[str, str]:
-    return dict(getattr(spec.config, "base_model_tp_plan", None) or {})
+    """The model's base_model_tp_plan; a composite model's (LLaVA) is its text model's, whose layers blocks() gives."""
+    config = spec.config
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan and hasattr(config, "get_text_config"):
+        plan = getattr(config.get_text_config(), "base_model_tp_plan", None)
+    return dict(plan or {})
 
 
 # GPT-2's decoder layer in transformers' Conv1D layout (weight [in, out]): what each projection's split is
