@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, losses, run_cli
+from conftest import FAST, losses, run_cli, run_cli_in_process
 from test_parallel_layouts import launch_runner, runner_losses
 
 TOL = 1e-5
@@ -246,6 +246,13 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
     )
     assert "the shape comes from model.hf" in _refusal([f"model.hf={folders['llama']}", "model.dim=32"])
+    # expert parallelism splits the built-in moe family's experts only: a dense folder has none, transformers' MoE
+    # layers keep theirs packed (before: both trained with an EP mesh that split nothing)
+    ep2 = ["parallel.ep=2", "parallel.dp_shard=2"]
+    assert "is dense (no experts); use parallel.ep=1" in _refusal([f"model.hf={folders['llama']}", *ep2])
+    assert "experts run inside its own MoE layers, which expert parallelism does not split yet" in _refusal(
+        [f"model.hf={folders['qwen3_moe']}", *ep2]
+    )
     # weights whose shapes do not match config.json
     wrong = save_hf_folder(tmp_path / "wrong", FAMILIES["llama"])
     cfg = json.loads((wrong / "config.json").read_text())
@@ -253,6 +260,22 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     assert "config.json makes it [64, 96]; the weights and config.json describe different models" in _refusal(
         [f"model.hf={wrong}"]
     )
+
+
+def test_plan_of_a_hf_job_config_ranks_layouts_and_refuses_ep_for_transformers_experts(folders, tmp_path):
+    """`scaletrain plan model.hf=FOLDER`: a dense folder and transformers' MoE (planned as dense: expert parallelism
+    does not split its packed experts) both get ranked layouts; --ep on the MoE is one line (before: a traceback,
+    every HF model took the expert-parallel planner's path)."""
+    for family in ("llama", "qwen3_moe"):
+        out = run_cli_in_process(
+            ["plan", f"model.hf={folders[family]}", "data.seq_len=64", "--gpu", "h100-sxm", "--gpus", "8", "--json"],
+            tmp_path,
+        )
+        assert json.loads(out.stdout)["layouts"], family
+    ep = ["plan", f"model.hf={folders['qwen3_moe']}", "--gpu", "h100-sxm", "--gpus", "8", "--ep", "2"]
+    proc = run_cli_in_process(ep, tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("scaletrain: error: --ep: Qwen3MoeForCausalLM's")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_init_from_hf_refuses_what_the_built_in_llama_would_load_wrongly(folders, tmp_path):

@@ -232,6 +232,7 @@ def plan(
             global_batch = cfg.train.global_batch_size
         if gpus is None and cluster_file is None:
             gpus = _config_world(cfg)
+        opts = _family_limits(cfg, opts)
     try:
         cluster = cluster_for(gpu, gpus, interconnect, gpus_per_node, cluster_file, calibration, usd_per_gpu_hour, pue)
     except ValueError as e:
@@ -377,7 +378,7 @@ def _config_shape(cfg):
         spec = model_spec(cfg.model)
     except ValueError as e:
         fail(str(e))
-    return spec.shape()
+    return spec.shape() if spec.planner_formulas else None
 
 
 def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluster, opts, as_json) -> None:
@@ -432,8 +433,11 @@ def _moe_spec(cfg, model, hf_path, params, ep_text):
         spec = model_spec(cfg.model) if cfg is not None else preset_spec(model) if model in presets() else None
     except ValueError as e:
         fail(str(e))
-    if spec is not None and spec.n_experts is not None:
+    if spec is not None and spec.n_experts is not None and spec.splits_experts:
         return spec
+    if spec is not None and spec.n_experts is not None and ep_text is not None:
+        fail(f"--ep: {spec.model_name}'s experts run inside its own MoE layers, which expert parallelism does not "
+             f"split yet; drop --ep (it is planned as a dense model) or use the built-in moe family")  # fmt: skip
     if ep_text is not None:
         fail(f"--ep: the {model} model is dense (no experts); drop --ep or plan an MoE preset (moe-...)")
     return None
@@ -488,6 +492,34 @@ def _config_world(cfg):
     if "nproc_per_node" in cfg.launch.model_fields_set and cfg.launch.nproc_per_node > 0:
         return cfg.launch.nproc_per_node * cfg.launch.nnodes
     return pinned_world(pins_from_config(cfg, None))
+
+
+def _refuses(check, degree: int) -> bool:
+    try:
+        check(degree)
+    except ValueError:
+        return True
+    return False
+
+
+def _family_limits(cfg, opts):
+    """`opts` without the degrees the job's model family or task refuses (no tensor-parallel plan, no pipeline
+    cut, attention that cannot be split over ranks): `plan CONFIG` ranks only layouts `train CONFIG` runs."""
+    from scaletrain.models.registry import model_spec
+    from scaletrain.tasks import task_for
+
+    try:
+        spec, task = model_spec(cfg.model), task_for(cfg.task)
+    except ValueError as e:
+        fail(str(e))
+    changes: dict = {}
+    if _refuses(spec.check_tp, 2):  # a family-wide refusal; head counts are the search's own filter
+        changes["max_tp"] = 1
+    if _refuses(spec.check_pp, 2):
+        changes["max_pp"] = 1
+    if not (spec.supports_cp and task.sequences):
+        changes["cp"] = (1,)
+    return dataclasses.replace(opts, **changes) if changes else opts
 
 
 def _pins(cfg, work, world):

@@ -281,6 +281,11 @@ class ModelSpec(ABC):
         )
 
     # -- mixture of experts ---------------------------------------------------------------------------------
+    # whether expert parallelism splits this family's experts (expert_modules with stacked `experts` and a
+    # `dispatcher`); a family whose MoE layers are another library's (transformers' packed experts) has experts but
+    # no split: parallel.ep is refused for it, and the planner plans it as a dense model
+    splits_experts: ClassVar[bool] = False
+
     @property
     def n_experts(self) -> int | None:
         """Routed experts per MoE block; None for a dense model (expert parallelism refuses it)."""
@@ -297,6 +302,10 @@ class ModelSpec(ABC):
         return {}
 
     # -- numbers --------------------------------------------------------------------------------------------
+    # whether shape()'s formulas describe the whole model; False (a vision-language model: its vision tower is outside
+    # them): `plan CONFIG` traces it instead (plan/trace.py), and --plan auto refuses it
+    planner_formulas: ClassVar[bool] = True
+
     def shape(self) -> DecoderShape | None:
         """The decoder shape the planner models for this model; None for a model the planner cannot model (which
         then answers the numbers below itself, or leaves them unanswered)."""

@@ -82,8 +82,8 @@ def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_mesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     n_experts = spec.n_experts
-    if n_experts is None:
-        raise ValueError(f"parallel.ep: the {spec.family} family has no experts; use parallel.ep=1")
+    if n_experts is None or not spec.splits_experts:
+        raise ValueError(f"parallel.ep: the {spec.family} family has no experts it splits; use parallel.ep=1")
     for layer in spec.expert_modules(model):
         layer = cast(Any, layer)  # the spec's MoE layers: `experts` and `dispatcher` (ModelSpec.expert_modules)
         experts = layer.experts

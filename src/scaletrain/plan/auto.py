@@ -68,7 +68,7 @@ def auto_plan(
     cfg = load_config(path, overrides)
     world = nproc * nnodes
     spec = model_spec(cfg.model)
-    args = spec.shape()
+    args = spec.shape() if spec.planner_formulas else None
     if args is None:
         raise ValueError(
             f"--plan auto: the planner cannot model the {spec.family} family (no decoder shape); "

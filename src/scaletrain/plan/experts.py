@@ -62,6 +62,8 @@ def expert_params(spec: ModelSpec, pp: int = 1, seq_len: int | None = None) -> l
 
 
 def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
+    from scaletrain.parallel.blocks import block_items
+
     layers = spec.expert_modules(part)
     expert_ids = {id(p) for layer in layers for p in cast(Any, layer).experts.parameters()}
     experts: list[tuple[int, ...]] = []
@@ -69,7 +71,7 @@ def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
     for p in part.parameters():
         (experts if id(p) in expert_ids else other).append(tuple(p.shape))
     blocks = []
-    for block in spec.blocks(part).values():
+    for _, block in block_items(spec.blocks(part)):
         sizes = [(id(p) in expert_ids, p.numel()) for p in block.parameters()]
         blocks.append((sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)))
     args = spec.args

@@ -33,6 +33,7 @@ class SearchOptions:
     cp: tuple[int, ...] | None = None  # None: 1, plus 2/4/8 for sequences of 32k tokens and more
     max_micro_batch: int = 16
     max_tp: int | None = None
+    max_pp: int | None = None  # 1: the model's family has no pipeline cut (cli/plan.py _family_limits)
     top: int = 10
     pins: Pins | None = None  # layout fields a job config fixes (plan/pin.py); None: search every value
 
@@ -151,7 +152,7 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
     for t in _tp_options(work, world, opts):
         for c in _cp_options(work, world // t, opts):
             for p in divisors(world // (t * c)):
-                if p > args.n_layers:
+                if p > args.n_layers or (opts.max_pp is not None and p > opts.max_pp):
                     continue
                 dp = world // (t * c * p)
                 if gb % dp:

@@ -195,10 +195,14 @@ def spec_target(spec: ModelSpec, seq_len: int | None = None) -> TraceTarget:
             )
         return TraceTarget(spec.model_name, lambda: spec.build("meta"), spec.blocks, make, _sum_loss)
     seq = seq_len or spec.max_seq_len or 2048
+    build = getattr(spec, "build_for_trace", None) or (lambda: spec.build("meta"))  # a model with data checks
+    make_tokens = getattr(spec, "example_token_inputs", None)  # a model taking more than token ids (a VLM's pixels)
 
     def inputs(samples: int):
         import torch
 
+        if make_tokens is not None:
+            return make_tokens(samples, seq)
         return (torch.zeros((samples, seq), dtype=torch.int64),), {}
 
     def loss(logits, samples: int):
@@ -208,7 +212,7 @@ def spec_target(spec: ModelSpec, seq_len: int | None = None) -> TraceTarget:
 
         return token_loss_sum(logits, torch.zeros((samples, seq), dtype=torch.int64))
 
-    return TraceTarget(spec.model_name, lambda: spec.build("meta"), spec.blocks, inputs, loss, tokens_per_sample=seq)
+    return TraceTarget(spec.model_name, build, spec.blocks, inputs, loss, tokens_per_sample=seq)
 
 
 def _image_inputs(spec: ModelSpec):

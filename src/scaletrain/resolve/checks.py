@@ -90,6 +90,11 @@ def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
     ep, experts = layout.ep, spec.n_experts
     if experts is None:
         raise ValueError(f"parallel.ep: the {spec.family} family is dense (no experts); use parallel.ep=1")
+    if not spec.splits_experts:
+        raise ValueError(
+            f"parallel.ep: {spec.model_name}'s {experts} experts run inside its own MoE layers, which expert "
+            f"parallelism does not split yet; use parallel.ep=1 (the built-in moe family splits them)"
+        )
     if experts % ep:
         raise ValueError(f"parallel.ep: {ep} does not divide model.n_experts={experts}; pick an ep that divides it")
     if layout.dp_shard % ep:

@@ -160,9 +160,9 @@ class HFSpec(ModelSpec):
         return bool(getattr(self.config.get_text_config(), "tie_word_embeddings", False))
 
     @property
-    def n_experts(self) -> int:
+    def n_experts(self) -> int | None:
         c = self.config
-        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
+        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0) or None
 
     # -- construction ---------------------------------------------------------------------------------------
     def check(self) -> None:

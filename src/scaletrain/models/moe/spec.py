@@ -43,6 +43,8 @@ class MoESpec(LlamaDecoderSpec):
         return ["wq", "wk", "wv", "wo"]  # attention projections (the experts' weights are stacked, not Linear)
 
     # -- experts ----------------------------------------------------------------------------------------------
+    splits_experts = True
+
     @property
     def n_experts(self) -> int | None:
         return self.args.n_experts

@@ -145,9 +145,9 @@ class VLMSpec(HFSpec):
         }
 
     @property
-    def n_experts(self) -> int:
+    def n_experts(self) -> int | None:
         c = self.text_config
-        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0)
+        return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0) or None
 
     @property
     def image_size(self) -> int:
@@ -158,6 +158,48 @@ class VLMSpec(HFSpec):
     @property
     def image_token_id(self) -> int:
         return int(getattr(self.config, "image_token_id", None) or self.config.image_token_index)
+
+    planner_formulas = False  # the decoder formulas would leave the vision tower out: the planner traces the model
+
+    def image_features(self) -> int:
+        """Image tokens one image becomes in the language model's input (the projector's outputs per image), from
+        the model on meta."""
+        import torch
+
+        channels = int(getattr(self.config.vision_config, "num_channels", 3))
+        with torch.no_grad():
+            feats = cast(Any, self.meta_model).model.get_image_features(
+                pixel_values=torch.empty(1, channels, self.image_size, self.image_size, device="meta")
+            )
+        feats = getattr(feats, "pooler_output", feats)
+        if isinstance(feats, (list, tuple)):
+            feats = feats[0]
+        return int(feats.shape[-2]) if feats.dim() >= 2 else 0
+
+    def example_token_inputs(self, samples: int, seq_len: int) -> tuple[tuple[Any, ...], dict]:
+        """A micro-batch as the vision-language task feeds it (the planner's trace): each row one image's tokens
+        first, then text, and the pixels of one image per row."""
+        import torch
+
+        n = self.image_features()
+        if n >= seq_len:
+            raise ValueError(f"data.seq_len: {seq_len} tokens cannot hold an image's {n} image tokens and any text; "
+                             f"raise data.seq_len")  # fmt: skip
+        ids = torch.zeros((samples, seq_len), dtype=torch.int64)
+        ids[:, :n] = self.image_token_id
+        channels = int(getattr(self.config.vision_config, "num_channels", 3))
+        return (ids, torch.zeros((samples, channels, self.image_size, self.image_size))), {}
+
+    def build_for_trace(self) -> nn.Module:
+        """The model on meta for the planner's trace (fake tensors: no values): transformers' check that the image
+        tokens match the image features reads a count (a value) and is left out; example_token_inputs makes them
+        match."""
+        model = self.build("meta")
+        inner = cast(Any, model).model
+        inner.get_placeholder_mask = lambda input_ids, inputs_embeds, image_features: (
+            (input_ids == self.image_token_id).unsqueeze(-1).expand_as(inputs_embeds)
+        )
+        return model
 
     # -- construction ---------------------------------------------------------------------------------------
     def parts(self, model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -248,7 +290,6 @@ class VLMSpec(HFSpec):
         """The processor makes images of the vision tower's size and as many image tokens per image as the model
         has image features; ValueError (one line naming model.hf) otherwise."""
         import numpy as np
-        import torch
         from PIL import Image
 
         image = Image.fromarray(np.zeros((37, 23, 3), dtype=np.uint8))
@@ -261,14 +302,7 @@ class VLMSpec(HFSpec):
         text = cast(Any, processor).image_token if hasattr(processor, "image_token") else "<image>"
         ids = processor(text=text, images=image, return_tensors="pt")["input_ids"]
         tokens = int((ids == self.image_token_id).sum())
-        with torch.no_grad():
-            feats = cast(Any, self.meta_model).model.get_image_features(
-                pixel_values=torch.empty(1, pixels.shape[1], *want, device="meta")
-            )
-        feats = getattr(feats, "pooler_output", feats)
-        if isinstance(feats, (list, tuple)):
-            feats = feats[0]
-        n = int(feats.shape[-2]) if feats.dim() >= 2 else 0
+        n = self.image_features()
         if n and tokens != n:
             raise FieldError("model.hf", f"the processor expands an image into {tokens} image tokens, the model "
                                          f"makes {n} image features; match the processor's patch_size / "
