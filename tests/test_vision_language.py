@@ -3,8 +3,9 @@ image shards with the row's caption or chat beside each image), a LLaVA-style mo
 LlavaForConditionalGeneration: a tiny CLIP vision tower and a tiny Llama, built from config objects here, with a
 word-level tokenizer and a PIL image processor saved as its AutoProcessor) through `model.hf`, the loss on answer
 tokens only, freeze policies, DDP 2 and FSDP 2 per-step losses equal to one
-process, and learning captions that are a function of the image. Images are generated here; nothing is
-downloaded."""
+process, learning captions that are a function of the image, and the `ckpt export --format hf` folder (with the
+frozen weights the checkpoint leaves out) loading in transformers with equal logits. Images are generated here;
+nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -166,13 +167,36 @@ def test_rows_train_the_answer_only_and_freeze_and_bad_image_size_refused(prepar
         spec.check_tp(2)
 
 
+def test_plan_of_the_job_traces_the_whole_model_with_its_images_and_ranks_what_train_runs(prepared, tmp_path):
+    """`scaletrain plan CONFIG` for a vision-language job: the decoder formulas would leave the vision tower out, so
+    the model is traced with one image's tokens and pixels per row (the tower's convolution and matmuls run); only
+    the layouts the trainer runs for it are ranked (no TP, pipeline or context parallelism)."""
+    from scaletrain.config import load_config
+    from scaletrain.models.registry import model_spec
+    from scaletrain.plan.trace import spec_target, trace_model
+
+    model, data = prepared
+    job = [*VLM_JOB, f"model.hf={model}", f"data.path={data}"]
+    spec = model_spec(load_config(None, job).model)
+    trace = trace_model(spec_target(spec, 48), "fp32")
+    ops = {(op.layer, op.op) for op in trace.ops if op.phase == "forward"}  # the root: outside the LM's blocks
+    assert ("root", "aten.convolution") in ops  # the vision tower's patch embedding saw the pixels
+    assert sum(layer.params * layer.repeat for layer in trace.layers) == spec.num_params()
+    out = run_cli_in_process(["plan", *job, "--gpu", "h100-sxm", "--gpus", "4", "--json"], tmp_path)
+    plan = json.loads(out.stdout)
+    assert plan["model"] == "LlavaForConditionalGeneration" and plan["params"] == spec.num_params()
+    assert plan["rows"] and all(
+        (r["layout"]["tp"], r["layout"]["pp"], r["layout"]["cp"]) == (1, 1, 1) for r in plan["rows"]
+    )
+
+
 VLM_JOB = ["task.name=vision-language", "data.seq_len=48", "train.global_batch_size=8", "train.lr=0.01",
            "train.eval_batches=1"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def layouts(prepared, tmp_path_factory):
-    """One process (5 bare steps, and 40 steps of the trainer's own loop) and, in one 2-rank
+    """One process (5 bare steps, and 40 steps of the trainer's own loop to a final checkpoint) and, in one 2-rank
     launch, DDP (with accumulation) and FSDP2 over 5 steps."""
     from test_parallel_layouts import launch_runner
 
@@ -181,7 +205,7 @@ def layouts(prepared, tmp_path_factory):
     base = [*VLM_JOB, f"model.hf={model}", f"data.path={data}"]
     five = [*base, "train.steps=5"]
     fit = [*base, "train.steps=40", "train.warmup_steps=2", "train.eval_interval=40", f"run.output_dir={out}",
-           "run.name=fit", "monitor.log_interval=5"]  # fmt: skip
+           "run.name=fit", "monitor.log_interval=5", "checkpoint.save_final=true"]  # fmt: skip
     launch_runner(1, {"single": [*five, "parallel.dp_shard=1"], "fit": [*fit, "parallel.dp_shard=1"]}, out,
                   fit=frozenset({"fit"}))  # fmt: skip
     launch_runner(2, {"ddp2_accumulate": [*five, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
@@ -210,3 +234,37 @@ def test_training_learns_the_captions_of_the_images(layouts):
     accuracy = [r["val_token_accuracy"] for r in records if "val_token_accuracy" in r]
     assert losses[-1] < 0.3 * losses[0], losses
     assert accuracy and accuracy[-1] > 0.9, records[-3:]
+
+
+@pytest.mark.slow  # shares the launches above
+def test_export_hf_loads_in_transformers_with_equal_logits(layouts, prepared, tmp_path):
+    """The checkpoint leaves the frozen weights out (the tower's unused post-layernorm here); the export makes them
+    again from the run's seed, so the folder is the whole trained model."""
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from scaletrain.checkpoint.entries import saved_entries
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    ckpt = layouts / "fit/checkpoints" / f"step_{40:08d}"
+    assert not any("post_layernorm" in n for n in saved_entries(ckpt))  # frozen: not saved
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], layouts)
+    hf = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / "hf")).eval()
+    processor = AutoProcessor.from_pretrained(str(tmp_path / "hf"), backend="pil")  # the processor came along
+    state, spec = load_full_model_state(ckpt)
+    assert spec is not None
+    ours = spec.build("cpu").eval()
+    ours.load_state_dict(state)
+    theirs_state = hf.state_dict()
+    tower = "model.vision_tower.post_layernorm.weight"
+    assert torch.equal(theirs_state[tower], state[tower])  # the frozen weight as the run's init made it
+    from PIL import Image
+
+    image = Image.fromarray(np.full((16, 16, 3), COLOURS["blue"], dtype=np.uint8))
+    enc = processor(text="<image>", images=image, return_tensors="pt")
+    with torch.no_grad():
+        theirs = hf(input_ids=enc["input_ids"], pixel_values=enc["pixel_values"]).logits
+        assert torch.equal(theirs, ours(enc["input_ids"], enc["pixel_values"]))
+        answer = hf.generate(**enc, max_new_tokens=5, do_sample=False)[0, enc["input_ids"].shape[1] :]
+    # greedy caption of a new image (one token per character: decode would put spaces between them)
+    assert "".join(processor.tokenizer.convert_ids_to_tokens(answer, skip_special_tokens=True)) == "blue"

@@ -67,16 +67,20 @@ def _write_streamed(
     convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     max_shard_bytes: int,
     stem: str = "model",
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> list[Path]:
     """The checkpoint's model tensors, each converted by `convert` (names and layouts; tensor by tensor, so it is
     planned on meta tensors first), written as safetensors files of at most `max_shard_bytes` (a single larger
     tensor gets a file of its own) plus their index when there are several: one file in memory at a time.
-    stem: the files' name (`<stem>.safetensors`, `<stem>-0000i-of-0000N.safetensors`, `<stem>.safetensors.index.json`)."""
+    stem: the files' name (`<stem>.safetensors`, `<stem>-0000i-of-0000N.safetensors`, `<stem>.safetensors.index.json`).
+    extra: whole tensors the checkpoint does not hold (frozen weights, frozen_weights()), written beside its own."""
     from huggingface_hub.serialization import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     outputs: dict[str, torch.Tensor] = {}
     source: dict[str, str] = {}  # output name -> the checkpoint entry it is made of
+    extra = extra or {}
+    entries = {**entries, **{n: (t.shape, t.dtype) for n, t in extra.items()}}
     meta = {name: torch.empty(size, dtype=dtype, device="meta") for name, (size, dtype) in entries.items()}
     for name, t in meta.items():
         for key, o in convert({name: t}).items():  # own storage: a view's would count its base's bytes
@@ -88,8 +92,9 @@ def _write_streamed(
     )
     written = []
     for filename, keys in split.filename_to_tensors.items():
-        needed = {source[k] for k in keys}
-        converted = convert(read_entries(ckpt, {n: entries[n] for n in sorted(needed, key=natural_order)}))
+        needed = sorted({source[k] for k in keys}, key=natural_order)
+        saved = read_entries(ckpt, {n: entries[n] for n in needed if n not in extra})
+        converted = convert({n: extra[n] if n in extra else saved[n] for n in needed})
         save_file({k: converted[k].contiguous() for k in keys}, str(out / filename), metadata={"format": "pt"})
         written.append(out / filename)
         del converted
@@ -124,15 +129,51 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpe
     if "model_spec" in manifest or "model_args" in manifest:
         spec = manifest_spec(manifest)
         model = spec.build("meta")
+        frozen = _frozen_names(model, ckpt)
         model.to_empty(device="cpu")
-        weights = dict(model.state_dict())
+        if frozen:  # the frozen weights as the run made them; the checkpoint fills the others
+            spec.init_weights(model, _run_seed(manifest, ckpt))
+        weights = {k: v for k, v in model.state_dict().items() if k not in frozen}
     else:
         weights = _saved_model_state(ckpt)
         if not weights:
             raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
     state = {"model": weights}
     load_dcp(state, ckpt, no_dist=True)
+    if spec is not None:
+        return model.state_dict(), spec
     return state["model"], spec
+
+
+def _frozen_names(model: torch.nn.Module, ckpt: Path) -> set[str]:
+    """The frozen weights of `model` (built from the checkpoint's spec) the checkpoint leaves out
+    (checkpoint/manager.py: they never change in training)."""
+    saved = saved_entries(ckpt)
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad and n not in saved}
+
+
+def _run_seed(manifest: dict, ckpt: Path) -> int:
+    if "seed" not in manifest:
+        raise ValueError(
+            f"{ckpt}: leaves its frozen weights out and records no run.seed to make them again (saved by "
+            f"scaletrain.setup(), or by a scaletrain before 2026-12); export a checkpoint of `scaletrain train`"
+        )
+    return int(manifest["seed"])
+
+
+def frozen_weights(ckpt: Path, manifest: dict, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The frozen weights the checkpoint leaves out (model.freeze's parts, a vision tower's unused head), made as
+    the run made them: model.hf's weights or the family's init by name from the run's seed. The whole model is
+    built on this process's CPU for it (frozen parts are usually most of it); nothing when none are left out."""
+    model = spec.build("meta")
+    frozen = _frozen_names(model, ckpt)
+    if not frozen:
+        return {}
+    seed = _run_seed(manifest, ckpt)
+    model.to_empty(device="cpu")
+    spec.init_weights(model, seed)
+    state = model.state_dict()
+    return {n: state[n].detach() for n in sorted(frozen, key=natural_order)}
 
 
 def _hf(spec: ModelSpec | None, field: str):
@@ -171,15 +212,18 @@ def export_checkpoint(
     entries = saved_entries(ckpt)
     if not entries:
         raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
+    extra = frozen_weights(ckpt, manifest, spec) if spec is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     if hf is not None:
-        return _write_streamed(ckpt, out, entries, hf.to_hf, max_shard_bytes) + hf.write_config(out)
+        return _write_streamed(ckpt, out, entries, hf.to_hf, max_shard_bytes, extra=extra) + hf.write_config(out)
     if folder is not None:
         weights = out / folder.weights_folder
         weights.mkdir(parents=True, exist_ok=True)
-        written = _write_streamed(ckpt, weights, entries, folder.convert, max_shard_bytes, folder.weights_name)
+        written = _write_streamed(
+            ckpt, weights, entries, folder.convert, max_shard_bytes, folder.weights_name, extra=extra
+        )
         return written + folder.write_config(out)
-    written = _write_streamed(ckpt, out, entries, lambda state: state, max_shard_bytes)
+    written = _write_streamed(ckpt, out, entries, lambda state: state, max_shard_bytes, extra=extra)
     if spec is None:
         return written
     (out / "config.json").write_text(json.dumps(spec.manifest(), indent=1))

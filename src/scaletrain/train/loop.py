@@ -84,6 +84,7 @@ def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
             "world_size": rt.world_size,
             "model": cfg.model.name,
             "model_spec": trainer.spec.manifest(),
+            "seed": cfg.run.seed,  # the init by name of weights a checkpoint leaves out (frozen): export remakes them
             **({"lora": lora_manifest(cfg.lora, trainer.spec, cfg.run.seed)} if cfg.lora.rank else {}),
         },
     )
