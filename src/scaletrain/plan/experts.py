@@ -62,8 +62,6 @@ def expert_params(spec: ModelSpec, pp: int = 1, seq_len: int | None = None) -> l
 
 
 def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
-    from scaletrain.parallel.blocks import block_items
-
     layers = spec.expert_modules(part)
     expert_ids = {id(p) for layer in layers for p in cast(Any, layer).experts.parameters()}
     experts: list[tuple[int, ...]] = []
@@ -71,7 +69,8 @@ def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
     for p in part.parameters():
         (experts if id(p) in expert_ids else other).append(tuple(p.shape))
     blocks = []
-    for _, block in block_items(spec.blocks(part)):
+    container: Any = spec.blocks(part)  # a ModuleDict or a ModuleList (transformers' decoder layers)
+    for block in container.values() if hasattr(container, "values") else container:
         sizes = [(id(p) in expert_ids, p.numel()) for p in block.parameters()]
         blocks.append((sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)))
     args = spec.args
