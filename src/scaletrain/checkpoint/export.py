@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -129,7 +129,7 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpe
     if "model_spec" in manifest or "model_args" in manifest:
         spec = manifest_spec(manifest)
         model = spec.build("meta")
-        frozen = _frozen_names(model, ckpt)
+        frozen = _frozen_names(model, saved_entries(ckpt))
         model.to_empty(device="cpu")
         if frozen:  # the frozen weights as the run made them; the checkpoint fills the others
             spec.init_weights(model, _run_seed(manifest, ckpt))
@@ -145,10 +145,9 @@ def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpe
     return state["model"], spec
 
 
-def _frozen_names(model: torch.nn.Module, ckpt: Path) -> set[str]:
-    """The frozen weights of `model` (built from the checkpoint's spec) the checkpoint leaves out
-    (checkpoint/manager.py: they never change in training)."""
-    saved = saved_entries(ckpt)
+def _frozen_names(model: torch.nn.Module, saved: Collection[str]) -> set[str]:
+    """The frozen weights of `model` (built from the checkpoint's spec) not among the checkpoint's `saved` entries
+    (checkpoint/manager.py leaves them out: they never change in training)."""
     return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad and n not in saved}
 
 
@@ -161,12 +160,12 @@ def _run_seed(manifest: dict, ckpt: Path) -> int:
     return int(manifest["seed"])
 
 
-def frozen_weights(ckpt: Path, manifest: dict, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The frozen weights the checkpoint leaves out (model.freeze's parts, a vision tower's unused head), made as
+def frozen_weights(ckpt: Path, manifest: dict, spec: ModelSpec, saved: Collection[str]) -> dict[str, torch.Tensor]:
+    """The frozen weights the checkpoint (its `saved` entries) leaves out (model.freeze's parts, a vision tower's unused head), made as
     the run made them: model.hf's weights or the family's init by name from the run's seed. The whole model is
     built on this process's CPU for it (frozen parts are usually most of it); nothing when none are left out."""
     model = spec.build("meta")
-    frozen = _frozen_names(model, ckpt)
+    frozen = _frozen_names(model, saved)
     if not frozen:
         return {}
     seed = _run_seed(manifest, ckpt)
@@ -212,7 +211,7 @@ def export_checkpoint(
     entries = saved_entries(ckpt)
     if not entries:
         raise ValueError(f"{ckpt}: holds no model weights (no 'model.' entries in its DCP metadata)")
-    extra = frozen_weights(ckpt, manifest, spec) if spec is not None else {}
+    extra = frozen_weights(ckpt, manifest, spec, entries) if spec is not None else {}
     out.mkdir(parents=True, exist_ok=True)
     if hf is not None:
         return _write_streamed(ckpt, out, entries, hf.to_hf, max_shard_bytes, extra=extra) + hf.write_config(out)

@@ -61,6 +61,22 @@ class Task(ABC):
         """ValueError (one line naming the field) when this job's model or config cannot run this task; cheap (no
         data opened)."""
 
+    def refuse_degrees(self, cfg: JobConfig, *degrees: str) -> None:
+        """ValueError (one line) for any of these parallel degrees above 1: this task does not run under them yet."""
+        for degree in degrees:
+            if getattr(cfg.parallel, degree) > 1:
+                raise ValueError(f"parallel.{degree}: {self.name} does not run under this parallelism yet; use "
+                                 f"parallel.{degree}=1")  # fmt: skip
+
+    def require_prepared(self, cfg: JobConfig, kind: str, fmt: str) -> None:
+        """ValueError (one line) unless data.path names one folder `scaletrain data prepare --format fmt` wrote (a
+        `kind` folder): no data.mix, no other source."""
+        if cfg.data.mix:
+            raise ValueError(f"data.mix: {self.name} reads one prepared {kind} folder; set data.path instead")
+        if not cfg.data.path or cfg.data.source not in ("auto", "prepared"):
+            raise ValueError(f"data.path: {self.name} reads a prepared {kind} folder; set data.path=FOLDER "
+                             f"(scaletrain data prepare --format {fmt})")  # fmt: skip
+
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """ValueError (one line naming the field) when the job's data cannot feed this task (may open it)."""
 

@@ -66,14 +66,8 @@ class Diffusion(Task):
             raise ValueError("parallel.dp_shard: FSDP cannot shard a DiT's blocks yet (its output layer reads the "
                              "first block's embedding); set parallel.dp_shard=1 and parallel.dp_replicate=<ranks> "
                              "(DDP)")  # fmt: skip
-        for degree, fix in (("pp", "parallel.pp=1"), ("cp", "parallel.cp=1")):
-            if getattr(cfg.parallel, degree) > 1:
-                raise ValueError(f"parallel.{degree}: {self.name} does not run under this parallelism yet; use {fix}")
-        if cfg.data.mix:
-            raise ValueError(f"data.mix: {self.name} reads one prepared image folder; set data.path instead")
-        if not cfg.data.path or cfg.data.source not in ("auto", "prepared"):
-            raise ValueError(f"data.path: {self.name} reads a prepared image folder; set data.path=FOLDER "
-                             f"(scaletrain data prepare --format images)")  # fmt: skip
+        self.refuse_degrees(cfg, "pp", "cp")
+        self.require_prepared(cfg, "image", "images")
 
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """The folder is a prepared image dataset with training and validation images, whose classes a

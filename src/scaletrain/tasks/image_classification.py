@@ -67,17 +67,11 @@ class ImageClassification(Task):
         if self._channels(spec) not in (1, 3):
             raise ValueError(f"task.channels: images are decoded as 1 (grey) or 3 (RGB) channels, the model takes "
                              f"{self._channels(spec)}; set task.channels")  # fmt: skip
-        for degree, fix in (("pp", "parallel.pp=1"), ("cp", "parallel.cp=1")):
-            if getattr(cfg.parallel, degree) > 1:
-                raise ValueError(f"parallel.{degree}: {self.name} does not run under this parallelism yet; use {fix}")
+        self.refuse_degrees(cfg, "pp", "cp")
         if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
             raise ValueError(f"parallel.sequence_parallel: {self.name} does not split images' patches over tensor-"
                              f"parallel ranks yet; set parallel.sequence_parallel=false")  # fmt: skip
-        if cfg.data.mix:
-            raise ValueError(f"data.mix: {self.name} reads one prepared image folder; set data.path instead")
-        if not cfg.data.path or cfg.data.source not in ("auto", "prepared"):
-            raise ValueError(f"data.path: {self.name} reads a prepared image folder; set data.path=FOLDER "
-                             f"(scaletrain data prepare --format images)")  # fmt: skip
+        self.require_prepared(cfg, "image", "images")
 
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """The folder is a prepared image dataset with training and validation images, whose classes the model's

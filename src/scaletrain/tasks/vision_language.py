@@ -54,20 +54,14 @@ class VisionLanguage(Task):
         if spec.max_seq_len is not None and cfg.data.seq_len > spec.max_seq_len:
             raise ValueError(f"data.seq_len: {cfg.data.seq_len} exceeds the language model's max_position_embeddings "
                              f"{spec.max_seq_len}; lower data.seq_len")  # fmt: skip
-        for degree, fix in (("pp", "parallel.pp=1"), ("cp", "parallel.cp=1")):
-            if getattr(cfg.parallel, degree) > 1:
-                raise ValueError(f"parallel.{degree}: {self.name} does not run under this parallelism yet; use {fix}")
+        self.refuse_degrees(cfg, "pp", "cp")
         if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
             raise ValueError(f"parallel.sequence_parallel: {self.name} does not split its rows over tensor-parallel "
                              f"ranks yet; set parallel.sequence_parallel=false")  # fmt: skip
         if cfg.parallel.tp > 1 and cfg.parallel.loss_parallel:
             raise ValueError(f"parallel.loss_parallel: {self.name} computes its loss on whole logits; set "
                              f"parallel.loss_parallel=false")  # fmt: skip
-        if cfg.data.mix:
-            raise ValueError(f"data.mix: {self.name} reads one prepared image-text folder; set data.path instead")
-        if not cfg.data.path or cfg.data.source not in ("auto", "prepared"):
-            raise ValueError(f"data.path: {self.name} reads a prepared image-text folder; set data.path=FOLDER "
-                             f"(scaletrain data prepare --format image-text)")  # fmt: skip
+        self.require_prepared(cfg, "image-text", "image-text")
 
     def check_data(self, cfg: JobConfig, spec: ModelSpec) -> None:
         """The folder is a prepared image-text dataset with training and validation samples."""

@@ -71,7 +71,13 @@ class HFSpec(ModelSpec):
     def from_folder(cls, path: str) -> HFSpec:
         """The spec of a local Hugging Face folder, every check done (config, architecture, weights' names and
         shapes); ValueError (one line naming model.hf) otherwise."""
-        spec = cls(read_folder(path))
+        return cls.checked(read_folder(path))
+
+    @classmethod
+    def checked(cls, args: Any) -> HFSpec:
+        """The spec of `args` (a folder's config and path) after every check: the config and architecture, and
+        the folder's weights' names and shapes when it has weights."""
+        spec = cls(args)
         spec.check()
         if spec.args.path:
             from scaletrain.models.hf.weights import check_weights

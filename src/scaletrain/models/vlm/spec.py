@@ -79,13 +79,7 @@ class VLMSpec(HFSpec):
         if not isinstance(folder, str) or not folder:
             raise FieldError("model.hf", f"give a local Hugging Face model folder (got {folder!r})")
         read = read_folder(folder)
-        spec = cls(VLMArgs(config=read.config, path=read.path, freeze=freeze))
-        spec.check()
-        if spec.args.path:
-            from scaletrain.models.hf.weights import check_weights
-
-            check_weights(spec, spec.args.path)
-        return spec
+        return cast(VLMSpec, cls.checked(VLMArgs(config=read.config, path=read.path, freeze=freeze)))
 
     @classmethod
     def of_model(cls, model: nn.Module) -> VLMSpec:
@@ -156,6 +150,11 @@ class VLMSpec(HFSpec):
         return int(size[0] if isinstance(size, (list, tuple)) else size)
 
     @property
+    def num_channels(self) -> int:
+        """Colour channels of the images the vision tower takes."""
+        return int(getattr(self.config.vision_config, "num_channels", 3))
+
+    @property
     def image_token_id(self) -> int:
         return int(getattr(self.config, "image_token_id", None) or self.config.image_token_index)
 
@@ -166,10 +165,9 @@ class VLMSpec(HFSpec):
         the model on meta."""
         import torch
 
-        channels = int(getattr(self.config.vision_config, "num_channels", 3))
         with torch.no_grad():
             feats = cast(Any, self.meta_model).model.get_image_features(
-                pixel_values=torch.empty(1, channels, self.image_size, self.image_size, device="meta")
+                pixel_values=torch.empty(1, self.num_channels, self.image_size, self.image_size, device="meta")
             )
         feats = getattr(feats, "pooler_output", feats)
         if isinstance(feats, (list, tuple)):
@@ -187,8 +185,7 @@ class VLMSpec(HFSpec):
                              f"raise data.seq_len")  # fmt: skip
         ids = torch.zeros((samples, seq_len), dtype=torch.int64)
         ids[:, :n] = self.image_token_id
-        channels = int(getattr(self.config.vision_config, "num_channels", 3))
-        return (ids, torch.zeros((samples, channels, self.image_size, self.image_size))), {}
+        return (ids, torch.zeros((samples, self.num_channels, self.image_size, self.image_size))), {}
 
     def build_for_trace(self) -> nn.Module:
         """The model on meta for the planner's trace (fake tensors: no values): transformers' check that the image
