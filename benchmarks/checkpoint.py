@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ helpers import each other by name
 
 import sections  # the shared BENCHMARKS.md section writer
@@ -418,11 +420,23 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
 
             again["row"] = wait(resumed_row, "metrics row after the restart")
         finally:
+            # in-process ranks and spares run in process groups of their own: end every descendant, and wait for
+            # them, before the temporary folder they write into is removed
+            try:
+                family = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                family = []
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            for p in family:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
             proc.wait()
+            psutil.wait_procs(family, timeout=30)
     fresh.update({k: e["unix"] for k, e in _events(events, old[0]).items()})
     # a survivor's or a warm spare's marks from before the kill belong to the first start
     again.update({k: e["unix"] for k, e in _events(events, new_pid["pid"], after=again["launch"]).items()})

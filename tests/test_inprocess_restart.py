@@ -113,3 +113,33 @@ def test_sigkilled_then_sigstopped_rank_is_replaced_in_process_survivors_keep_pi
 
     assert_same_final_weights(run, ref, STEPS)
     assert losses(run) == losses(ref)
+
+
+@pytest.mark.slow  # one launch, its launcher SIGKILLed a few steps in
+def test_ranks_and_spares_end_with_a_sigkilled_launcher(tmp_path):
+    """The ranks and spares run in process groups of their own (the launcher kills what a dead rank leaves in its
+    group), out of reach of a signal to the launcher's group: a SIGKILL of the launcher must still end them (they
+    lose its store, which holds their orders and keys), not leave them training into the run folder."""
+    import psutil
+
+    run = tmp_path / "runs" / "orphans"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=orphans", "launch.spares=1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **SLOW_STEPS},
+    )
+    deadline = time.monotonic() + 300
+    while _snapshot_step(run) < 2:  # training, with its checkpoint writer threads busy
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        time.sleep(0.01)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    assert len(family) >= 3, family  # two ranks and a spare
+    proc.kill()
+    proc.communicate()
+    _, alive = psutil.wait_procs(family, timeout=60)
+    for p in alive:
+        p.kill()
+    assert not alive, [p.pid for p in alive]
