@@ -46,6 +46,8 @@ FAMILIES: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
+# experts transposed, interleaved, with biases: not split by expert parallelism (models/hf/experts.py splittable)
+GPT_OSS = dict(model_type="gpt_oss", **DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
 NO_TP = ("qwen3_moe",)  # refused in one line (test_bad_input_is_one_line_before_launch)
 STEPS = ["train.steps=5", "data.seq_len=32", "train.global_batch_size=8"]
 LAYOUTS = {
@@ -246,13 +248,12 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
         [f"model.hf={three}", "parallel.tp=2", "parallel.dp_shard=1"]
     )
     assert "the shape comes from model.hf" in _refusal([f"model.hf={folders['llama']}", "model.dim=32"])
-    # expert parallelism splits the built-in moe family's experts only: a dense folder has none, transformers' MoE
-    # layers keep theirs packed (before: both trained with an EP mesh that split nothing)
+    # expert parallelism splits the built-in moe family's experts and transformers' packed [gate; up] ones
+    # (tests/test_moe.py): a dense folder has none, gpt-oss keeps its experts transposed with biases
     ep2 = ["parallel.ep=2", "parallel.dp_shard=2"]
     assert "is dense (no experts); use parallel.ep=1" in _refusal([f"model.hf={folders['llama']}", *ep2])
-    assert "experts run inside its own MoE layers, which expert parallelism does not split yet" in _refusal(
-        [f"model.hf={folders['qwen3_moe']}", *ep2]
-    )
+    gpt_oss = save_hf_folder(tmp_path / "gpt_oss", GPT_OSS, weights=False)
+    assert "experts are laid out in a way expert parallelism does not split" in _refusal([f"model.hf={gpt_oss}", *ep2])
     # weights whose shapes do not match config.json
     wrong = save_hf_folder(tmp_path / "wrong", FAMILIES["llama"])
     cfg = json.loads((wrong / "config.json").read_text())
@@ -262,19 +263,23 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
     )
 
 
-def test_plan_of_a_hf_job_config_ranks_layouts_and_refuses_ep_for_transformers_experts(folders, tmp_path):
-    """`scaletrain plan model.hf=FOLDER`: a dense folder and transformers' MoE (planned as dense: expert parallelism
-    does not split its packed experts) both get ranked layouts; --ep on the MoE is one line (before: a traceback,
-    every HF model took the expert-parallel planner's path)."""
-    for family in ("llama", "qwen3_moe"):
-        out = run_cli_in_process(
-            ["plan", f"model.hf={folders[family]}", "data.seq_len=64", "--gpu", "h100-sxm", "--gpus", "8", "--json"],
-            tmp_path,
-        )
-        assert json.loads(out.stdout)["layouts"], family
-    ep = ["plan", f"model.hf={folders['qwen3_moe']}", "--gpu", "h100-sxm", "--gpus", "8", "--ep", "2"]
+def test_plan_of_a_hf_job_config_ranks_layouts_and_prices_expert_parallelism(folders, tmp_path):
+    """`scaletrain plan model.hf=FOLDER`: a dense folder gets ranked layouts; transformers' Qwen3-MoE gets the
+    expert-parallel plan (a row per ep dividing its 4 experts; --ep picks); --ep on experts expert parallelism does
+    not split (gpt-oss: planned as dense) is one line (before: a traceback, every HF model took the expert-parallel
+    planner's path)."""
+    gpus = ["data.seq_len=64", "--gpu", "h100-sxm", "--gpus", "8", "--json"]
+    out = run_cli_in_process(["plan", f"model.hf={folders['llama']}", *gpus], tmp_path)
+    assert json.loads(out.stdout)["layouts"]
+    out = run_cli_in_process(["plan", f"model.hf={folders['qwen3_moe']}", *gpus], tmp_path)
+    rows = {r["ep"]: r for r in json.loads(out.stdout)["rows"]}
+    assert sorted(rows) == [1, 2, 4] and rows[1]["a2a_seconds_per_step"] == 0 < rows[2]["a2a_seconds_per_step"]
+    out = run_cli_in_process(["plan", f"model.hf={folders['qwen3_moe']}", *gpus, "--ep", "2"], tmp_path)
+    assert [r["ep"] for r in json.loads(out.stdout)["rows"]] == [2]
+    gpt_oss = save_hf_folder(tmp_path / "gpt_oss", GPT_OSS, weights=False)
+    ep = ["plan", f"model.hf={gpt_oss}", "--gpu", "h100-sxm", "--gpus", "8", "--ep", "2"]
     proc = run_cli_in_process(ep, tmp_path, check=False)
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("scaletrain: error: --ep: Qwen3MoeForCausalLM's")
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("scaletrain: error: --ep: gpt_oss's experts")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 

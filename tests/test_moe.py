@@ -4,7 +4,8 @@ One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every
 EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2 and EP 2 x CP 2 on 4 ranks, must give the per-step losses and final parameters of
 one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
 micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
-exactly the (token, expert) pairs the routers kept. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
+exactly the (token, expert) pairs the routers kept. transformers' Qwen3-MoE joins those launches (one process, EP 2,
+EP 2 x FSDP 2, EP 2 x PP 2), its packed experts split by models/hf/experts.py. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
 checkpoints resume under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing
 and the refusals run in this process."""
 
@@ -24,24 +25,30 @@ from click.testing import CliRunner
 from conftest import FAST, losses, run_cli, torchrun
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.cli.main import main
+from scaletrain.models.hf.spec import HFSpec
 from scaletrain.models.moe import PRESETS, MoESpec
 from scaletrain.models.moe.balance import balance_experts
 from scaletrain.plan.experts import expert_params, model_state_bytes, rank_param_elements
 from test_checkpoint import _resume_copy, _start, _wait_for_step, _workers
+from test_hf_models import FAMILIES, save_hf_folder
 
 TOL = 1e-5
 RUNNER = Path(__file__).resolve().parent / "moe_runner.py"
 STEPS, BATCH, SEQ = 5, 8, 64
 BASE = [*FAST, "model.name=moe-tiny", f"train.steps={STEPS}", f"train.global_batch_size={BATCH}", f"data.seq_len={SEQ}"]
 CAP = ["model.capacity_factor=1.0"]
+# transformers' Qwen3-MoE from a folder the Runs fixture saves ({hf}): its packed experts split by models/hf/experts.py
+HF = [*FAST, "model.hf={hf}", f"train.steps={STEPS}", f"train.global_batch_size={BATCH}", f"data.seq_len={SEQ}"]
 JOBS = {
-    1: {"single": [], "single_cap": [*CAP, f"train.micro_batch_size={BATCH // 2}"]},
-    2: {"ep2": ["parallel.ep=2"], "ep2_cap": ["parallel.ep=2", *CAP]},
+    1: {"single": BASE, "single_cap": [*BASE, *CAP, f"train.micro_batch_size={BATCH // 2}"], "hf_single": HF},
+    2: {"ep2": [*BASE, "parallel.ep=2"], "ep2_cap": [*BASE, "parallel.ep=2", *CAP], "hf_ep2": [*HF, "parallel.ep=2"]},
     4: {
-        "ep2_fsdp2": ["parallel.ep=2"],
-        "ep2_hsdp2x2": ["parallel.ep=2", "parallel.dp_replicate=2"],
-        "ep2_pp2": ["parallel.ep=2", "parallel.pp=2"],  # rank 0's state: the first stage's parameters
-        "ep2_cp2": ["parallel.ep=2", "parallel.cp=2"],  # experts sharded by FSDP over dp_shard / ep x cp
+        "ep2_fsdp2": [*BASE, "parallel.ep=2"],
+        "ep2_hsdp2x2": [*BASE, "parallel.ep=2", "parallel.dp_replicate=2"],
+        "ep2_pp2": [*BASE, "parallel.ep=2", "parallel.pp=2"],  # rank 0's state: the first stage's parameters
+        "ep2_cp2": [*BASE, "parallel.ep=2", "parallel.cp=2"],  # experts sharded by FSDP over dp_shard / ep x cp
+        "hf_ep2_fsdp2": [*HF, "parallel.ep=2"],
+        "hf_ep2_pp2": [*HF, "parallel.ep=2", "parallel.pp=2"],
     },
 }
 
@@ -55,8 +62,12 @@ class Runs:
     def __getitem__(self, name: str) -> list[dict]:
         nproc = next(n for n, jobs in JOBS.items() if name in jobs)
         if nproc not in self.done:
+            hf = self.cwd / "qwen3_moe"
+            if not hf.exists():
+                save_hf_folder(hf, FAMILIES["qwen3_moe"])
+            jobs = [{"name": n, "overrides": [a.format(hf=hf) for a in o]} for n, o in JOBS[nproc].items()]
             spec = self.cwd / f"jobs{nproc}.json"
-            spec.write_text(json.dumps([{"name": n, "overrides": [*BASE, *o]} for n, o in JOBS[nproc].items()]))
+            spec.write_text(json.dumps(jobs))
             torchrun(nproc, [str(RUNNER), str(spec), str(self.cwd)])
             self.done.add(nproc)
         return json.loads((self.cwd / name / "steps.json").read_text())
@@ -93,6 +104,68 @@ def test_expert_parallel_matches_one_process(runs, ref, layout):
     for name, value in state.items():
         assert torch.allclose(ref_state[name], value, atol=TOL, rtol=0), f"{layout}: {name} differs from one process"
     assert got[-1]["loss"] < got[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "layout", ["hf_ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in JOBS[4] if n.startswith("hf_"))]
+)
+def test_expert_parallel_splits_transformers_experts_as_one_process(runs, layout):
+    """transformers' Qwen3-MoE (its router, its block, its packed experts' weights from the folder) under EP: each
+    rank holds half the experts, the rows travel by all-to-all, and the losses, gradient norms and final weights
+    are one process's."""
+    want, got = runs["hf_single"], runs[layout]
+    assert len(want) == len(got) == STEPS and got[-1]["loss"] < got[0]["loss"]
+    for step, (a, b) in enumerate(zip(want, got, strict=True), 1):
+        assert abs(a["loss"] - b["loss"]) <= TOL, f"{layout} step {step}: {b['loss']} vs one process {a['loss']}"
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=TOL), f"{layout} step {step}: gradient norm"
+        # every (token, choice) pair of top-2 in 2 MoE layers, once (a pipeline's first step also runs its stages
+        # once more to learn their shapes; the built-in family's ep2_pp2 counts the same)
+        if step > 1 or "pp" not in layout:
+            assert b["sent"] == BATCH * SEQ * 2 * 2, f"{layout} step {step}: rows sent"
+    ref_state, state = runs.state("hf_single"), runs.state(layout)
+    assert state.keys() <= ref_state.keys() and any("experts.gate_up_proj" in name for name in state)
+    for name, value in state.items():
+        assert torch.allclose(ref_state[name], value, atol=TOL, rtol=0), f"{layout}: {name} differs from one process"
+    held = json.loads((runs.cwd / layout / "ranks.json").read_text())
+    whole = json.loads((runs.cwd / "hf_single" / "ranks.json").read_text())[0]["experts"]
+    assert sum(r["experts"] for r in held) == whole  # each expert's weights on one rank, or sharded by FSDP
+
+
+def test_transformers_experts_forward_dispatched_equals_transformers_own():
+    """models/hf/experts.py's forward (rows sorted by expert, grouped, summed back with the router's weights) gives
+    transformers' own experts' output for every family in its layout; gpt-oss's (transposed, biased) is not split."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.models.hf.experts import splittable, use_dispatcher
+    from scaletrain.models.moe.model import run_local
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    moe = dict(num_experts_per_tok=2, num_key_value_heads=2)
+    families = {
+        "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, head_dim=16),
+        "mixtral": dict(num_local_experts=4),
+        "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        "olmoe": dict(num_experts=4, eos_token_id=None),
+        "gpt_oss": dict(num_local_experts=4, head_dim=16),
+    }
+    for family, fields in families.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **shape, **moe, **fields)).eval()
+        layers = [m for m in model.modules() if hasattr(m, "experts")]
+        assert len(layers) == 2, family
+        if family == "gpt_oss":
+            assert not any(splittable(m.experts) for m in layers)
+            continue
+        assert all(splittable(m.experts) for m in layers), family
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+            tokens = torch.randint(0, 256, (2, 16))
+            want = model(tokens).logits
+            for m in layers:
+                use_dispatcher(m.experts, run_local)  # the dispatcher of one rank holding every expert
+            got = model(tokens).logits
+        assert torch.allclose(got, want, atol=1e-6, rtol=0), family
 
 
 def test_all_to_all_carries_exactly_the_routed_tokens(runs):
@@ -162,24 +235,28 @@ def test_expert_load_metrics_are_logged(runs):
 
 LAYOUT_DEGREES = {"ep2": (2, 2, 1), "ep2_fsdp2": (2, 4, 1), "ep2_hsdp2x2": (2, 2, 1), "ep2_pp2": (2, 2, 2)}
 LAYOUT_DEGREES["ep2_cp2"] = (2, 4, 1)  # FSDP over dp_shard x cp, the experts over dp_shard / ep x cp
+LAYOUT_DEGREES |= {"hf_ep2": (2, 2, 1), "hf_ep2_fsdp2": (2, 4, 1), "hf_ep2_pp2": (2, 2, 2)}
 
 
 @pytest.mark.parametrize(
-    "name", ["ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in LAYOUT_DEGREES if n in JOBS[4])]
+    "name",
+    ["ep2", "hf_ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in LAYOUT_DEGREES if n in JOBS[4])],
 )
 def test_planned_parameters_per_rank_are_the_trainers(runs, name):
     """The planner's per-rank parameter bytes under EP (plan/experts.py: experts split by ep, then sharded by FSDP
     over dp_shard / ep; the rest by dp_shard; a pipeline stage's blocks cut as the trainer cuts them) are those of
-    the tensors the trainer's rank 0 holds, and of the rank holding the most."""
+    the tensors the trainer's rank 0 holds, and of the rank holding the most; for the built-in family and for
+    transformers' Qwen3-MoE."""
     ep, dp_shard, pp = LAYOUT_DEGREES[name]
     runs[name]
     held = json.loads((runs.cwd / name / "ranks.json").read_text())
-    stages = expert_params(MoESpec(PRESETS["moe-tiny"]), pp, SEQ)
+    spec = HFSpec.from_folder(str(runs.cwd / "qwen3_moe")) if name.startswith("hf_") else MoESpec(PRESETS["moe-tiny"])
+    stages = expert_params(spec, pp, SEQ)
     planned = rank_param_elements(stages[0], ep, dp_shard)  # rank 0: the first stage
     assert held[0]["experts"] == planned["experts"] and held[0]["other"] == planned["other"], (held, planned)
     most = max(model_state_bytes(s, ep, dp_shard)["parameters"] for s in stages)
     assert most == 4.0 * max(r["experts"] + r["other"] for r in held)
-    whole = rank_param_elements(expert_params(MoESpec(PRESETS["moe-tiny"]))[0], 1, 1)  # one process
+    whole = rank_param_elements(expert_params(spec)[0], 1, 1)  # one process
     assert sum(rank_param_elements(s, ep, dp_shard)["experts"] for s in stages) * dp_shard == whole["experts"]
 
 

@@ -436,8 +436,8 @@ def _moe_spec(cfg, model, hf_path, params, ep_text):
     if spec is not None and spec.n_experts is not None and spec.splits_experts:
         return spec
     if spec is not None and spec.n_experts is not None and ep_text is not None:
-        fail(f"--ep: {spec.model_name}'s experts run inside its own MoE layers, which expert parallelism does not "
-             f"split yet; drop --ep (it is planned as a dense model) or use the built-in moe family")  # fmt: skip
+        fail(f"--ep: {spec.model_name}'s experts are laid out in a way expert parallelism does not split; drop "
+             f"--ep (it is planned as a dense model)")  # fmt: skip
     if ep_text is not None:
         fail(f"--ep: the {model} model is dense (no experts); drop --ep or plan an MoE preset (moe-...)")
     return None
@@ -453,7 +453,8 @@ def _plan_experts(spec, model, cfg, ep_text, pp, cp_text, imbalance, cluster, se
         fail("--cp: an expert-parallel plan covers FSDP, pipelines and EP; drop --cp")
     if not imbalance >= 1.0:
         fail(f"--moe-imbalance: must be at least 1.0 (the even share); got {imbalance:g}")
-    world, name = cluster.gpus, model if cfg is None else cfg.model.name
+    world = cluster.gpus
+    name = model if cfg is None else spec.model_name if spec.selected_by == "hf" else cfg.model.name
     if cfg is not None:
         for key in ("dp_replicate", "tp", "cp"):
             if getattr(cfg.parallel, key) > 1:

@@ -25,7 +25,7 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, cast
 
 from pydantic import Field
 
@@ -281,20 +281,32 @@ class ModelSpec(ABC):
         )
 
     # -- mixture of experts ---------------------------------------------------------------------------------
-    # whether expert parallelism splits this family's experts (expert_modules with stacked `experts` and a
-    # `dispatcher`); a family whose MoE layers are another library's (transformers' packed experts) has experts but
-    # no split: parallel.ep is refused for it, and the planner plans it as a dense model
-    splits_experts: ClassVar[bool] = False
+    @property
+    def splits_experts(self) -> bool:
+        """Whether expert parallelism splits this model's experts (expert_modules finds its MoE layers); a model
+        with experts laid out otherwise (e.g. transposed, biased ones) is refused parallel.ep and planned as a
+        dense model."""
+        return False
 
     @property
     def n_experts(self) -> int | None:
         """Routed experts per MoE block; None for a dense model (expert parallelism refuses it)."""
         return None
 
+    @property
+    def experts_per_token(self) -> int | None:
+        """Routed experts each token goes to (top-k); None for a dense model."""
+        return None
+
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """The MoE layers of `model` (or a stage of it) expert parallelism lays out (parallel/expert.py): each
-        has `experts` (stacked weights, dim 0 the expert) and a `dispatcher` attribute."""
+        has `experts` (stacked weights, dim 0 the expert), whose tokens use_dispatcher routes."""
         return []
+
+    def use_dispatcher(self, layer: nn.Module, dispatcher: Any) -> None:
+        """Make the MoE `layer` (one of expert_modules) run its experts through `dispatcher` (called with the
+        (token, expert) rows sorted by expert, the rows per expert and the experts: parallel/expert.py)."""
+        cast(Any, layer).dispatcher = dispatcher
 
     def after_optimizer_step(self, modules: list[nn.Module]) -> dict[str, float]:
         """Run on every rank after each optimizer step over this rank's model parts (e.g. an MoE router's bias
@@ -322,6 +334,11 @@ class ModelSpec(ABC):
         """Repeated blocks (the unit of FSDP, activation checkpointing, compile and the pipeline cut)."""
         shape = self.shape()
         return shape.n_layers if shape is not None else len(self.blocks(self.build("meta")))
+
+    @property
+    def hidden_dim(self) -> int:
+        """Width of the residual stream (what an MoE layer's all-to-all sends per (token, expert) row)."""
+        return int(self._shape().dim)
 
     @property
     def vocab_size(self) -> int | None:

@@ -85,12 +85,11 @@ def apply_expert_parallel(model: nn.Module, spec: ModelSpec, ep_mesh) -> None:
     if n_experts is None or not spec.splits_experts:
         raise ValueError(f"parallel.ep: the {spec.family} family has no experts it splits; use parallel.ep=1")
     for layer in spec.expert_modules(model):
-        layer = cast(Any, layer)  # the spec's MoE layers: `experts` and `dispatcher` (ModelSpec.expert_modules)
-        experts = layer.experts
+        experts = cast(Any, layer).experts  # the spec's MoE layers hold `experts` (ModelSpec.expert_modules)
         for name, param in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), n_experts)
+        spec.use_dispatcher(layer, AllToAllDispatcher(ep_mesh.get_group(), n_experts))
 
 
 def shard_experts(layers: list[nn.Module], expert_mesh, divide_by: int, **fsdp_kwargs) -> None:

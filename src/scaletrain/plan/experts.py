@@ -73,10 +73,9 @@ def _part_params(spec: ModelSpec, part: Any, n_experts: int) -> ExpertParams:
     for block in container.values() if hasattr(container, "values") else container:
         sizes = [(id(p) in expert_ids, p.numel()) for p in block.parameters()]
         blocks.append((sum(n for e, n in sizes if e), sum(n for e, n in sizes if not e)))
-    args = spec.args
-    return ExpertParams(
-        tuple(experts), tuple(other), tuple(blocks), n_experts, len(layers), int(args.top_k), int(args.dim)
-    )
+    top_k = spec.experts_per_token
+    assert top_k is not None, "a family with experts names its top-k"
+    return ExpertParams(tuple(experts), tuple(other), tuple(blocks), n_experts, len(layers), top_k, spec.hidden_dim)
 
 
 def check_ep(params: ExpertParams, ep: int, world: int) -> None:

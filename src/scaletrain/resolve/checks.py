@@ -92,8 +92,9 @@ def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
         raise ValueError(f"parallel.ep: the {spec.family} family is dense (no experts); use parallel.ep=1")
     if not spec.splits_experts:
         raise ValueError(
-            f"parallel.ep: {spec.model_name}'s {experts} experts run inside its own MoE layers, which expert "
-            f"parallelism does not split yet; use parallel.ep=1 (the built-in moe family splits them)"
+            f"parallel.ep: {spec.model_name}'s {experts} experts are laid out in a way expert parallelism does not "
+            f"split (it splits the built-in moe family's and transformers' packed [gate; up] experts without "
+            f"biases); use parallel.ep=1"
         )
     if experts % ep:
         raise ValueError(f"parallel.ep: {ep} does not divide model.n_experts={experts}; pick an ep that divides it")

@@ -170,6 +170,30 @@ class HFSpec(ModelSpec):
         c = self.config
         return int(getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0) or None
 
+    @property
+    def experts_per_token(self) -> int | None:
+        return int(getattr(self.config, "num_experts_per_tok", 0) or 0) or None if self.n_experts else None
+
+    @property
+    def splits_experts(self) -> bool:
+        """transformers' packed experts in the layout models/hf/experts.py runs, in every MoE layer."""
+        from scaletrain.models.hf.experts import splittable
+
+        if not self.n_experts:
+            return False
+        layers = [m for m in self.meta_model.modules() if hasattr(m, "experts")]
+        return bool(layers) and all(splittable(m.experts) for m in layers)
+
+    def expert_modules(self, model: nn.Module) -> list[nn.Module]:
+        from scaletrain.models.hf.experts import splittable
+
+        return [m for m in model.modules() if splittable(getattr(m, "experts", None))]
+
+    def use_dispatcher(self, layer: nn.Module, dispatcher: Any) -> None:
+        from scaletrain.models.hf.experts import use_dispatcher
+
+        use_dispatcher(cast(Any, layer).experts, dispatcher)
+
     # -- construction ---------------------------------------------------------------------------------------
     def check(self) -> None:
         cls = self._model_class()

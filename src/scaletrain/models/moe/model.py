@@ -25,7 +25,7 @@ from scaletrain.models.llama.model import param_init_std as llama_param_init_std
 from scaletrain.models.moe.args import MoEArgs
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
+def local_experts(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked expert weight (all of them without expert parallelism)."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
@@ -70,7 +70,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (N, dim) grouped by (local) expert; counts: (local experts,) int64 summing to N."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local_experts(self.w1), local_experts(self.w2), local_experts(self.w3)
         if use_grouped_mm(x):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)

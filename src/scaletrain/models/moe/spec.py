@@ -43,11 +43,17 @@ class MoESpec(LlamaDecoderSpec):
         return ["wq", "wk", "wv", "wo"]  # attention projections (the experts' weights are stacked, not Linear)
 
     # -- experts ----------------------------------------------------------------------------------------------
-    splits_experts = True
+    @property
+    def splits_experts(self) -> bool:
+        return True
 
     @property
     def n_experts(self) -> int | None:
         return self.args.n_experts
+
+    @property
+    def experts_per_token(self) -> int | None:
+        return self.args.top_k
 
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         from scaletrain.models.moe.model import MoEFeedForward
@@ -63,6 +69,10 @@ class MoESpec(LlamaDecoderSpec):
     @property
     def n_blocks(self) -> int:
         return self.args.n_layers
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.args.dim
 
     @property
     def vocab_size(self) -> int:
