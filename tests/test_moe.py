@@ -131,6 +131,10 @@ def test_expert_parallel_splits_transformers_experts_as_one_process(runs, layout
     assert sum(r["experts"] for r in held) == whole  # each expert's weights on one rank, or sharded by FSDP
 
 
+DEEPSEEK_MLA = dict(moe_intermediate_size=32, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16)
+DEEPSEEK_MLA |= dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+
+
 def test_transformers_experts_forward_dispatched_equals_transformers_own():
     """models/hf/experts.py's forward (rows sorted by expert, grouped, summed back with the router's weights) gives
     transformers' own experts' output for every family in its layout; gpt-oss's (transposed, biased) is not split."""
@@ -146,6 +150,8 @@ def test_transformers_experts_forward_dispatched_equals_transformers_own():
         "mixtral": dict(num_local_experts=4),
         "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
         "olmoe": dict(num_experts=4, eos_token_id=None),
+        # multi-head latent attention, grouped routing, a shared expert
+        "deepseek_v3": {**DEEPSEEK_MLA, "n_routed_experts": 4, "n_group": 1, "topk_group": 1},
         "gpt_oss": dict(num_local_experts=4, head_dim=16),
     }
     for family, fields in families.items():
