@@ -1,7 +1,8 @@
 """The built-in mixture-of-experts family and expert parallelism (fp32, CPU ranks over gloo, fixed seed).
 
-One launch of tests/moe_runner.py per world size (1, 2 and 4 ranks) trains every job of that size: EP 2, and
-EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2 and EP 2 x CP 2 on 4 ranks, must give the per-step losses and final parameters of
+One launch of tests/moe_runner.py per world size (1, 2, 4 and 8 ranks) trains every job of that size: EP 2;
+EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2, EP 2 x CP 2, TP 2 x FSDP 2 (with and without sequence parallelism)
+and EP 2 x TP 2 on 4 ranks; EP 2 x FSDP 2 x TP 2 on 8. Each must give the per-step losses and final parameters of
 one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
 micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
 exactly the (token, expert) pairs the routers kept. transformers' Qwen3-MoE joins those launches (one process, EP 2,
@@ -49,7 +50,12 @@ JOBS = {
         "ep2_cp2": [*BASE, "parallel.ep=2", "parallel.cp=2"],  # experts sharded by FSDP over dp_shard / ep x cp
         "hf_ep2_fsdp2": [*HF, "parallel.ep=2"],
         "hf_ep2_pp2": [*HF, "parallel.ep=2", "parallel.pp=2"],
+        # TP: attention split, each TP rank routing its piece of every sequence (models/moe/parallelize.py)
+        "tp2_fsdp2": [*BASE, "parallel.tp=2"],
+        "tp2sp_fsdp2": [*BASE, "parallel.tp=2", "parallel.sequence_parallel=true"],
+        "ep2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"],
     },
+    8: {"ep2_fsdp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"]},  # dp_shard 4 = 2 x ep 2, TP 2 in each
 }
 
 
@@ -87,7 +93,7 @@ def runs(tmp_path_factory) -> Runs:
     [
         ("single", "ep2"),
         ("single_cap", "ep2_cap"),
-        *(pytest.param("single", name, marks=pytest.mark.slow) for name in JOBS[4]),
+        *(pytest.param("single", n, marks=pytest.mark.slow) for n in [*JOBS[4], *JOBS[8]] if not n.startswith("hf_")),
     ],
 )
 def test_expert_parallel_matches_one_process(runs, ref, layout):
@@ -324,7 +330,9 @@ BAD = [
     (["model.name=moe-tiny", "parallel.ep=3"], "parallel.ep"),  # 3 does not divide the 8 experts
     (["model.name=moe-tiny", "parallel.ep=4"], "parallel.ep"),  # nor the 2 dp_shard ranks
     (["model.name=moe-tiny", "model.capacity_factor=-1"], "model.capacity_factor"),
-    (["model.name=moe-tiny", "parallel.ep=2", "parallel.tp=2", "--nproc-per-node", "4"], "parallel.ep"),
+    (["model.name=moe-tiny", "parallel.tp=2", "--nproc-per-node", "2"], "parallel.tp"),  # no FSDP over the experts
+    (["model.name=moe-tiny", "parallel.tp=2", *CAP, "--nproc-per-node", "4"], "parallel.tp"),  # capacity per piece
+    (["model.name=moe-tiny", "parallel.tp=2", "parallel.pp=2", "--nproc-per-node", "8"], "parallel.tp"),
     (["model.name=moe-tiny", "model.top_k=9"], "model.top_k"),
 ]
 

@@ -15,7 +15,7 @@ from scaletrain.config.precisions import MASTER_DTYPE, PRECISIONS
 from scaletrain.models.spec import ModelSpec
 from scaletrain.parallel.blocks import ShardRule, fsdp_units
 from scaletrain.config.layout import Layout
-from scaletrain.parallel.dims import expert_fsdp_mesh, fsdp_mesh
+from scaletrain.parallel.dims import expert_fsdp_mesh, experts_apart, fsdp_mesh
 
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
@@ -60,7 +60,8 @@ def apply_fsdp(
             norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
         )
     done = {id(m) for m in norms}
-    if layout.ep > 1 and spec is not None:  # experts first, over the ranks holding the same ones (parallel/expert.py)
+    # experts first, over the ranks holding the same ones (parallel/expert.py)
+    if experts_apart(layout) and spec is not None and spec.splits_experts:
         from scaletrain.parallel.expert import shard_experts
 
         shard_experts(

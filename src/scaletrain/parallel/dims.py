@@ -67,12 +67,22 @@ def dp_coordinates(layout: Layout, mesh) -> tuple[int, int]:
     return rank, layout.dp
 
 
+def experts_apart(layout: Layout) -> bool:
+    """Whether an MoE model's routed experts are sharded by FSDP2 over a mesh of their own (expert_fsdp_mesh):
+    under expert parallelism, and under TP, whose ranks each run a piece of the tokens through whole experts."""
+    return layout.ep > 1 or layout.tp > 1
+
+
 def expert_fsdp_mesh(layout: Layout, mesh):
-    """The mesh FSDP2 shards the experts' weights over under expert parallelism: the dp_shard / ep (x cp) ranks
-    holding the same experts, with dp_replicate outside it for HSDP."""
+    """The mesh FSDP2 shards the routed experts' weights over: the ranks holding the same experts, dp_shard / ep
+    (x cp) (x tp: each TP rank runs other tokens through them), one flattened dim, with dp_replicate outside it for
+    HSDP. Flattened on first use (every rank applies FSDP in the same order)."""
     import warnings
 
-    shard = EXPERT_CP_SHARD_DIM if layout.cp > 1 else EXPERT_SHARD_DIM
+    dims = [EXPERT_SHARD_DIM if layout.ep > 1 else "dp_shard"] + [d for d in ("cp", "tp") if layout.sizes()[d] > 1]
+    shard = "_".join(dims)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # as in fsdp_mesh
+        if len(dims) > 1:  # once: torch returns the dim it flattened before
+            mesh[tuple(dims)]._flatten(shard)
         return mesh["dp_replicate", shard] if layout.dp_replicate > 1 else mesh[shard]

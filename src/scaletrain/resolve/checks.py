@@ -58,6 +58,8 @@ def check_layout(cfg: JobConfig, spec: ModelSpec, layout: Layout) -> None:
                 f"parallel.dp_replicate=1) or use HSDP"
             )
         spec.check_tp(layout.tp)
+        if spec.n_experts is not None and spec.splits_experts:
+            check_experts_under_tp(spec, layout)
         if p.sequence_parallel and cfg.data.seq_len % layout.tp:
             raise ValueError(
                 f"parallel.sequence_parallel: data.seq_len={cfg.data.seq_len} is not divisible by parallel.tp={layout.tp}"
@@ -103,10 +105,22 @@ def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
             f"parallel.ep: {ep} does not divide the {layout.dp_shard} dp_shard ranks it is carved from; "
             f"pick an ep that divides parallel.dp_shard"
         )
-    if layout.tp > 1:
+
+
+def check_experts_under_tp(spec: ModelSpec, layout: Layout) -> None:
+    """Under TP each rank routes a piece of the tokens through whole experts (models/moe/parallelize.py), so the
+    experts' gradients are summed over the TP ranks by FSDP2 (parallel/dims.py expert_fsdp_mesh): that needs FSDP,
+    and it is proven without pipelines and context parallelism."""
+    if layout.dp_shard < 2:
         raise ValueError(
-            f"parallel.ep: not combined with parallel.tp={layout.tp} yet (expert parallelism runs with FSDP, HSDP, "
-            f"pipelines and context parallelism); use parallel.tp=1 or parallel.ep=1"
+            f"parallel.tp: {spec.model_name}'s experts take a piece of the tokens on each TP rank and FSDP sums "
+            f"their gradients over them; shard with parallel.dp_shard >= 2 (got {layout.dp_shard}) or use "
+            f"parallel.tp=1"
+        )
+    if layout.pp > 1 or layout.cp > 1:
+        raise ValueError(
+            f"parallel.tp: {spec.model_name}'s experts under TP are not combined with pipelines or context "
+            f"parallelism yet; use parallel.tp=1, or parallel.pp=1 and parallel.cp=1"
         )
 
 

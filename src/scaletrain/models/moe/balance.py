@@ -22,8 +22,7 @@ def balance_experts(modules: list[nn.Module], n_layers: int, n_experts: int) -> 
     calls this, whatever it holds), move the selection biases and return the step's load metrics ({} when no
     token was routed: after a restore, or an optimizer step without a forward).
 
-    Ranks that see the same tokens would count them again (the family has no tensor-parallel plan yet); the
-    ratios and the bias update's signs do not change with that scale."""
+    Every token is counted once: TP ranks route different pieces of the sequences (models/moe/parallelize.py)."""
     layers = moe_layers(modules)
     device = layers[0].tokens_per_expert.device if layers else torch.device("cpu")
     load = torch.zeros(n_layers, n_experts + 2, dtype=torch.float64, device=device)

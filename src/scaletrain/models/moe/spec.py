@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from scaletrain.models.llama.spec import LlamaDecoderSpec
 from scaletrain.models.moe.args import MoEArgs
+from scaletrain.models.spec import CONFIG_TP_WORDS, TPWords, check_tp_divides
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,6 +39,26 @@ class MoESpec(LlamaDecoderSpec):
         for m in model.modules():
             if isinstance(m, MoEFeedForward):
                 m.init_buffers()
+
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+        """Llama's divisibility (heads, dense MLP, embeddings); the MoE blocks split tokens, not weights, so
+        routing that depends on which tokens share a rank (a capacity, the auxiliary loss) is refused."""
+        a = self.args
+        dense = {"ffn_dim": a.ffn_dim} if a.n_dense_layers else {}
+        check_tp_divides(
+            tp, words, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, dim=a.dim, vocab_size=a.vocab_size, **dense
+        )
+        for field, value in (("capacity_factor", a.capacity_factor), ("aux_loss_coef", a.aux_loss_coef)):
+            if value > 0:
+                raise ValueError(
+                    f"{words.tp}: each TP rank routes a piece of every sequence, so model.{field}={value:g} would "
+                    f"act on other token groups than one process; use model.{field}=0 or {words.tp_off}"
+                )
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        from scaletrain.models.moe.parallelize import moe_tp_plan
+
+        return moe_tp_plan(cast("MoETransformer", model), sequence_parallel, loss_parallel)
 
     def lora_targets(self) -> list[str]:
         return ["wq", "wk", "wv", "wo"]  # attention projections (the experts' weights are stacked, not Linear)
