@@ -1,14 +1,19 @@
-"""monitor.trackers beside TensorBoard: one 2-rank run logs to MLflow (a file store in a temp folder: no server) and
-to Weights & Biases offline (its files under the run folder), is resumed, and both trackers are read back: one
+"""monitor.trackers beside TensorBoard: one 2-rank run logs to MLflow (a real tracking server the test starts, from
+the venv tests/mlflow/install.sh makes; without it, a file store in a temp folder) and to Weights & Biases offline (its files under the run folder), is resumed, and both trackers are read back: one
 tracker run (rank 0 only) continued by the resume, the config as parameters / config, every metrics record at its
 step, the summary at the end. A missing extra is one line naming it, exit 2, before launch (the library hidden in
 sys.modules)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,12 +81,58 @@ def wandb_updates(path: Path, kind: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # two 2-rank launches (fresh, resumed); the sinks alone are tested fast below
+SERVER = Path(__file__).resolve().parents[1] / ".venv-mlflow" / "bin" / "mlflow"  # tests/mlflow/install.sh
+
+
+@contextlib.contextmanager
+def mlflow_server(folder: Path):
+    """A real tracking server (`mlflow server` from tests/mlflow/install.sh's venv, a SQLite store and artifacts in
+    `folder`) on a free local port; yields its http:// URI and stops it after."""
+    import urllib.request
+
+    from scaletrain.launch.local import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(SERVER), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+        + ["--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}", "--artifacts-destination", str(folder / "art")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.2)
+        yield uri
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow  # two 2-rank launches (fresh, resumed) and a tracking server; the sinks alone are tested fast below
 def test_mlflow_and_wandb_log_config_metrics_and_summary_and_continue_on_resume(tmp_path, monkeypatch):
+    """Against a real MLflow tracking server when tests/mlflow/install.sh has installed one (CI does), else MLflow's
+    file store."""
+    with contextlib.ExitStack() as stack:
+        if SERVER.exists():
+            store = stack.enter_context(mlflow_server(tmp_path / "server"))
+        else:
+            monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the sink sets for a file store
+            store = (tmp_path / "mlruns").as_uri()
+        _trackers_through_a_resumed_run(tmp_path, store)
+
+
+def _trackers_through_a_resumed_run(tmp_path: Path, store: str) -> None:
     from mlflow import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the sink sets for a file store, for this reader
-    store = (tmp_path / "mlruns").as_uri()  # MLflow's file store: no tracking server to start
     trackers = [
         "monitor.trackers=mlflow,wandb",
         f"monitor.mlflow_tracking_uri={store}",
