@@ -392,7 +392,8 @@ def test_moe_benchmark_runs(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks/moe.py"
     argv = ["--nproc", "2", "--ep", "2", "--model", "moe-tiny", "--steps", "2", "--seq-len", "64"]
     proc = subprocess.run(
-        [sys.executable, str(script), *argv, "--global-batch", "4", "--json", str(tmp_path / "rows.json")],
+        [sys.executable, str(script), *argv, "--global-batch", "4", "--json", str(tmp_path / "rows.json")]
+        + ["--markdown", str(tmp_path / "BENCHMARKS.md")],
         capture_output=True,
         text=True,
         timeout=600,
@@ -402,6 +403,10 @@ def test_moe_benchmark_runs(tmp_path):
     assert "error" not in rows["fsdp2"] and "error" not in rows["ep2_fsdp2"], rows
     assert rows["fsdp2"]["a2a_bytes_per_step"] == 0 < rows["ep2_fsdp2"]["a2a_bytes_per_step"]
     assert "| ep2_fsdp2 |" in proc.stdout
+    assert rows["ep2_fsdp2"]["a2a_predicted"] > 0
+    report = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Mixture of experts: expert and tensor parallelism vs FSDP" in report
+    assert "| ep2_fsdp2 |" in report
 
 
 def test_diagnosis_names_the_overloaded_expert():

@@ -113,6 +113,13 @@ def model_state_bytes(params: ExpertParams, ep: int, dp_shard: int, pipelined: b
     return {"parameters": 4.0 * numel, "gradients": grads, "optimizer states": 8.0 * numel + 4.0 * n["tensors"]}
 
 
+def a2a_bytes_per_layer(tokens: int, top_k: int, dim: int, ep: int, element_bytes: int = COMPUTE_BYTES) -> float:
+    """Bytes one rank sends to other ranks in one MoE layer's dispatch + combine (one forward) for `tokens` routed
+    tokens under even routing: each (token, choice) row of `dim` elements leaves for its expert's rank and comes
+    back, (ep - 1) / ep of them to another rank (the trainer's moe_a2a_bytes counts the same, summed over ranks)."""
+    return 2.0 * tokens * top_k * dim * element_bytes * (ep - 1) / ep
+
+
 def all_to_all_seconds(nbytes: float, ep: int, cluster: Cluster, imbalance: float = 1.0) -> float:
     """Seconds of one all_to_all_single over `ep` consecutive ranks where each rank sends `nbytes` in all (itself
     included, spread evenly over the ep ranks) and the busiest rank receives `imbalance` x its share: the bytes
@@ -211,7 +218,7 @@ def _stage_row(
         other_params_per_rank=n["other"],
         model_state_bytes=state,
         gathered_bytes=gathered,
-        a2a_bytes_per_layer=2.0 * message * (ep - 1) / ep,
+        a2a_bytes_per_layer=a2a_bytes_per_layer(tokens_per_micro_batch, params.top_k, params.dim, ep),
         a2a_seconds_per_step=a2a,
         fsdp_seconds_per_step=fsdp,
         fits=state + gathered <= cluster.gpu.memory_bytes,
