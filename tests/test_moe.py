@@ -6,7 +6,7 @@ and EP 2 x TP 2 on 4 ranks; EP 2 x FSDP 2 x TP 2 on 8. Each must give the per-st
 one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
 micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
 exactly the (token, expert) pairs the routers kept. transformers' Qwen3-MoE joins those launches (one process, EP 2,
-EP 2 x FSDP 2, EP 2 x PP 2), its packed experts split by models/hf/experts.py. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
+EP 2 x FSDP 2, EP 2 x PP 2, the TP layouts), its packed experts split by models/hf/experts.py. Under EP 2 a SIGKILLed rank resumes bit for bit, and its
 checkpoints resume under plain FSDP with the same losses. The routing itself, the auxiliary-loss-free balancing
 and the refusals run in this process."""
 
@@ -54,8 +54,14 @@ JOBS = {
         "tp2_fsdp2": [*BASE, "parallel.tp=2"],
         "tp2sp_fsdp2": [*BASE, "parallel.tp=2", "parallel.sequence_parallel=true"],
         "ep2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"],
+        "hf_tp2_fsdp2": [*HF, "parallel.tp=2"],  # transformers' attention plan, the MoE block split by tokens
+        "hf_tp2sp_fsdp2": [*HF, "parallel.tp=2", "parallel.sequence_parallel=true"],
+        "hf_ep2_tp2": [*HF, "parallel.ep=2", "parallel.tp=2"],
     },
-    8: {"ep2_fsdp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"]},  # dp_shard 4 = 2 x ep 2, TP 2 in each
+    8: {  # dp_shard 4 = 2 x ep 2, TP 2 in each
+        "ep2_fsdp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"],
+        "hf_ep2_fsdp2_tp2": [*HF, "parallel.ep=2", "parallel.tp=2"],
+    },
 }
 
 
@@ -113,12 +119,13 @@ def test_expert_parallel_matches_one_process(runs, ref, layout):
 
 
 @pytest.mark.parametrize(
-    "layout", ["hf_ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in JOBS[4] if n.startswith("hf_"))]
+    "layout",
+    ["hf_ep2", *(pytest.param(n, marks=pytest.mark.slow) for n in [*JOBS[4], *JOBS[8]] if n.startswith("hf_"))],
 )
 def test_expert_parallel_splits_transformers_experts_as_one_process(runs, layout):
-    """transformers' Qwen3-MoE (its router, its block, its packed experts' weights from the folder) under EP: each
-    rank holds half the experts, the rows travel by all-to-all, and the losses, gradient norms and final weights
-    are one process's."""
+    """transformers' Qwen3-MoE (its router, its block, its packed experts' weights from the folder) under EP (each
+    rank holds half the experts, the rows travel by all-to-all) and under TP (each TP rank routes its piece of the
+    tokens): the losses, gradient norms and final weights are one process's."""
     want, got = runs["hf_single"], runs[layout]
     assert len(want) == len(got) == STEPS and got[-1]["loss"] < got[0]["loss"]
     for step, (a, b) in enumerate(zip(want, got, strict=True), 1):
@@ -127,7 +134,7 @@ def test_expert_parallel_splits_transformers_experts_as_one_process(runs, layout
         # every (token, choice) pair of top-2 in 2 MoE layers, once (a pipeline's first step also runs its stages
         # once more to learn their shapes; the built-in family's ep2_pp2 counts the same)
         if step > 1 or "pp" not in layout:
-            assert b["sent"] == BATCH * SEQ * 2 * 2, f"{layout} step {step}: rows sent"
+            assert b["sent"] == (BATCH * SEQ * 2 * 2 if "ep" in layout else 0), f"{layout} step {step}: rows sent"
     ref_state, state = runs.state("hf_single"), runs.state(layout)
     assert state.keys() <= ref_state.keys() and any("experts.gate_up_proj" in name for name in state)
     for name, value in state.items():

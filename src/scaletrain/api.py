@@ -90,10 +90,21 @@ def _tp_styles(model: nn.Module, tp: int, tp_plan: TPPlan | None, spec: ModelSpe
             )
         return plan
     if spec is not None:
+        if spec.n_experts:  # the trainer's TP of an MoE model needs its FSDP of the experts over the TP ranks too
+            raise ValueError(
+                f"tp: {spec.model_name}'s experts take a piece of the tokens per TP rank only in `scaletrain "
+                f"train`; use tp=1 and shard them with FSDP instead (data_parallel='fsdp')"
+            )
         spec.check_tp(tp)
         return spec.tp_plan(model, False, False)
     hf = _transformers_spec(model)
     if hf is not None:
+        if hf.n_experts:  # the trainer's TP of packed experts needs its FSDP of them over the TP ranks too
+            raise ValueError(
+                f"tp: {type(model).__name__}'s {hf.n_experts} experts are packed tensors setup() does not split "
+                f"(`scaletrain train` with model.hf does); use tp=1 and shard them with FSDP instead "
+                f"(data_parallel='fsdp')"
+            )
         hf.check_tp(tp, dataclasses.replace(SETUP_TP_WORDS, config=f"{type(model).__name__}.config."))
         return hf.tp_plan(model, False, False)
     try:

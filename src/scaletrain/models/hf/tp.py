@@ -1,8 +1,10 @@
 """Tensor (+ sequence) parallelism for transformers' models, from the model's own `base_model_tp_plan`: its
 strings translated to torch's ParallelStyles. GPT-2 has no plan: its Conv1D layers (weight [in, out]) are split
 here by structure, the fused q|k|v c_attn so that each rank holds whole heads of all three; with sequence
-parallelism its residual stream leaves the last layer whole (GPT-2's model views it as (-1, S, hidden)). Other models without a plan and plan entries with no torch counterpart here (packed MoE experts) are
-refused before launch, never split wrongly.
+parallelism its residual stream leaves the last layer whole (GPT-2's model views it as (-1, S, hidden)). An MoE
+block whose packed experts expert parallelism splits (models/hf/experts.py) keeps them whole: each TP rank routes its
+piece of the tokens (_moe_block_styles). Other models without a plan and plan entries with no torch counterpart here
+(other packed experts) are refused before launch, never split wrongly.
 
 The embedding is split along the hidden dim and gathered whole: transformers computes the causal mask, position
 ids and rotary tables from its output's length at model level, so the residual stream enters the first layer whole
@@ -25,8 +27,9 @@ if TYPE_CHECKING:
 HF_SUPPORT = (
     "model.hf=FOLDER  any decoder-only causal LM of transformers (AutoModelForCausalLM), built from the folder's "
     "config.json, weights from its *.safetensors if any; proven: Llama, Qwen3, Mistral, Gemma 2, Phi-3, GPT-2, "
-    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan (not MoE) and for "
-    "GPT-2's Conv1D layers; "
+    "Qwen3-MoE. Layouts: DDP, FSDP/HSDP, TP+SP where transformers has a base_model_tp_plan and for GPT-2's "
+    "Conv1D layers (MoE: packed experts whole, each TP rank routing a piece of the tokens, with FSDP); EP for "
+    "packed experts (parallel.ep); "
     "PP (tied embeddings: a copy on the first and the last stage, gradients summed)"
 )
 
@@ -80,6 +83,8 @@ def check_plan(spec: Any, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
             f"{words.tp}: {spec.architecture} has no tensor-parallel plan in transformers (base_model_tp_plan), "
             f"and fused or non-Linear projections cannot be split safely by structure; {words.no_plan_fix}"
         )
+    if spec.n_experts and spec.splits_experts:
+        return _check_known(spec, {k: v for k, v in plan.items() if "experts" not in k}, words)
     if spec.n_experts:
         # transformers keeps each layer's experts packed in [experts, rows, cols] tensors. Up to 5.24 its TP plan
         # splits them with its own kernels (packed_colwise, moe_tp_experts: no torch ParallelStyle counterpart);
@@ -94,6 +99,13 @@ def check_plan(spec: Any, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
                 f"scaletrain's tensor parallelism does not split; use {words.tp_off} and shard them with FSDP "
                 f"instead ({words.fsdp})"
             )
+    _check_known(spec, plan, words)
+
+
+def _check_known(spec: Any, plan: dict[str, str], words: TPWords) -> None:
+    """Packed experts that expert parallelism splits (models/hf/experts.py) stay whole under TP: each TP rank routes
+    its piece of the tokens through them (hf_tp_plan), so the plan's expert entries (transformers <= 5.24) are not
+    used; every other entry must translate."""
     for key, style in plan.items():
         if style in KNOWN:
             continue
@@ -207,6 +219,63 @@ def _replicated():
     return Replicated()
 
 
+def _token_sharded():
+    """Whole parameters as Replicate DTensors fed this rank's tokens (dim 0 declared sharded over TP), plain tensors
+    in and out (a tuple too: a router's): the children of an MoE block under TP, where each rank routes its piece of
+    the tokens, so their gradients are partial per rank and DTensor sums them over TP."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.utils._pytree import tree_map
+
+    def inputs(mod, args, mesh):
+        return tuple(
+            DTensor.from_local(a, mesh, [Shard(0)], run_check=False)
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    def outputs(mod, out, mesh):
+        return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, out)
+
+    class TokenSharded(ParallelStyle):
+        def _apply(self, module, device_mesh):
+            return distribute_module(module, device_mesh, None, inputs, outputs)
+
+    return TokenSharded()
+
+
+def _moe_block_styles(layer: nn.Module, lpath: str, act) -> dict:
+    """TP of a transformers MoE block whose packed experts models/hf/experts.py runs (the built-in family's way,
+    models/moe/parallelize.py): its input cut into tp pieces of every sequence, each rank routing its piece through
+    whole experts (FSDP2 sums the experts' gradients over TP: parallel/dims.py expert_fsdp_mesh), the router and
+    shared experts whole (TokenSharded), the output gathered back (or left sharded under sequence parallelism);
+    {} for a layer without such a block."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from scaletrain.models.hf.experts import splittable
+
+    block = getattr(layer, "mlp", None)
+    if block is None or not splittable(getattr(block, "experts", None)):
+        return {}
+    styles: dict = {
+        f"{lpath}.mlp": PrepareModuleInputOutput(
+            input_layouts=(act,),
+            desired_input_layouts=(Shard(1),),
+            use_local_input=True,
+            output_layouts=(Shard(1),),
+            desired_output_layouts=(act,),
+            use_local_output=True,
+        )
+    }
+    for name, child in block.named_children():
+        if name != "experts" and any(True for _ in child.parameters()):
+            styles[f"{lpath}.mlp.{name}"] = _token_sharded()
+    return styles
+
+
 def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
     """{module path: ParallelStyle} for a transformers causal LM."""
     from torch.distributed.tensor import Replicate, Shard
@@ -293,6 +362,7 @@ def hf_tp_plan(spec: Any, model: nn.Module, sequence_parallel: bool, loss_parall
             plan[f"{lpath}.mlp"] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
             )
+        plan.update(_moe_block_styles(layer, lpath, act))  # an MoE block takes its piece of the tokens instead
     if out is not None:
         if sp and not conv1d:  # the final norm: a Norm child of the module holding the layers, on sequence shards
             parent_path = cpath.rsplit(".", 1)[0] if "." in cpath else ""
