@@ -131,10 +131,14 @@ def test_expert_parallel_splits_transformers_experts_as_one_process(runs, layout
     for step, (a, b) in enumerate(zip(want, got, strict=True), 1):
         assert abs(a["loss"] - b["loss"]) <= TOL, f"{layout} step {step}: {b['loss']} vs one process {a['loss']}"
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=TOL), f"{layout} step {step}: gradient norm"
-        # every (token, choice) pair of top-2 in 2 MoE layers, once (a pipeline's first step also runs its stages
-        # once more to learn their shapes; the built-in family's ep2_pp2 counts the same)
+        # every (token, choice) pair of top-2 in 2 MoE layers, once (a pipeline's first step also runs its first
+        # stage on a micro-batch to learn the shapes it sends, torch's metadata inference: the built-in family's
+        # ep2_pp2 sends those rows too), routed and counted once whatever the layout
         if step > 1 or "pp" not in layout:
             assert b["sent"] == (BATCH * SEQ * 2 * 2 if "ep" in layout else 0), f"{layout} step {step}: rows sent"
+            assert a["moe_routed"] == b["moe_routed"] == BATCH * SEQ * 2 * 2, f"{layout} step {step}: pairs routed"
+            assert b["moe_imbalance"] == pytest.approx(a["moe_imbalance"]) and b["moe_imbalance"] >= 1.0
+        assert (b["moe_a2a_bytes"] > 0) == ("ep" in layout)
     ref_state, state = runs.state("hf_single"), runs.state(layout)
     assert state.keys() <= ref_state.keys() and any("experts.gate_up_proj" in name for name in state)
     for name, value in state.items():

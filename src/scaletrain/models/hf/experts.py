@@ -9,6 +9,10 @@ choice) rows sorted by expert go through the layer's all-to-all dispatcher to th
 there through its experts as contiguous groups, come back, and are summed per token with the router's weights,
 as transformers' own forward does. The router, the shared experts and the block's code stay transformers'.
 
+While training, a forward pre-hook on each such module counts the (token, expert) pairs its router gave it
+(`count_load`); after each optimizer step `take_load` sums them over the ranks into the expert-load metrics the
+built-in family logs (moe_imbalance, moe_busiest_expert, ...; models/moe/balance.py load_metrics).
+
 Layouts transformers marks otherwise (gpt-oss: interleaved gate/up, transposed, biased; experts without a gate; a
 norm after each expert) are not split: `splittable` tells them apart, and parallel.ep is refused for them.
 """
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletrain.models.moe.model import expert_counts, local_experts, split_sizes
+from scaletrain.models.moe.model import expert_counts, local_experts, shape_only, split_sizes
 
 
 def splittable(experts: object) -> bool:
@@ -72,3 +76,47 @@ def _run(experts: Any, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         for e, part in enumerate(torch.split(x, split_sizes(x, counts)))
     ]
     return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+def count_load(experts: nn.Module) -> None:
+    """Count, while training, the (token, expert) pairs each of `experts` is given (transformers' top_k_index)."""
+    experts.register_forward_pre_hook(_count, with_kwargs=True)
+
+
+def _count(module: Any, args: tuple, kwargs: dict) -> None:
+    if not module.training:
+        return
+    index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    if shape_only(index):
+        return
+    with torch.no_grad():
+        counts = expert_counts(index.reshape(-1), module.num_experts)
+        load = getattr(module, "_scaletrain_load", None)
+        module._scaletrain_load = counts if load is None else load + counts
+
+
+@torch.no_grad()
+def take_load(spec: Any, modules: list[nn.Module]) -> dict[str, float]:
+    """Read and clear the pairs counted since the last call in this rank's MoE layers (of `modules`: the model or
+    its pipeline stages, layers keyed by their index in the whole model), sum them over every rank (one
+    all-reduce; every rank calls this) and return the step's load metrics ({} when nothing was routed)."""
+    import torch.distributed as dist
+
+    from scaletrain.models.moe.balance import load_metrics
+
+    n_experts = int(spec.n_experts)
+    device = next(p.device for part in modules for p in part.parameters())
+    load = torch.zeros(spec.n_blocks, n_experts + 2, dtype=torch.float64, device=device)
+    for part in modules:
+        container = spec.blocks(part)
+        for key, block in container.items() if hasattr(container, "items") else enumerate(container):
+            for m in block.modules():
+                counts = getattr(m, "_scaletrain_load", None)
+                if counts is not None:
+                    load[int(key), :n_experts] += counts.to(device=device, dtype=torch.float64)
+                    m._scaletrain_load = None
+                if hasattr(m, "dispatcher") and hasattr(m.dispatcher, "take_bytes_sent"):
+                    load[int(key), n_experts + 1] += float(m.dispatcher.take_bytes_sent())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(load)
+    return load_metrics(load)

@@ -194,6 +194,14 @@ class HFSpec(ModelSpec):
 
         use_dispatcher(cast(Any, layer).experts, dispatcher)
 
+    def after_optimizer_step(self, modules: list[nn.Module]) -> dict[str, float]:
+        """The expert-load metrics of packed experts (models/hf/experts.py counts them while training)."""
+        if not self.n_experts or not self.splits_experts:
+            return {}
+        from scaletrain.models.hf.experts import take_load
+
+        return take_load(self, modules)
+
     # -- construction ---------------------------------------------------------------------------------------
     def check(self) -> None:
         cls = self._model_class()
@@ -216,6 +224,11 @@ class HFSpec(ModelSpec):
         model.train()
         model.register_forward_hook(_logits_only)
         take_packed_rows(model)
+        if self.n_experts:
+            from scaletrain.models.hf.experts import count_load
+
+            for layer in self.expert_modules(model):  # the load metrics of after_optimizer_step
+                count_load(cast(Any, layer).experts)
         return model
 
     def build_for_inference(self, config: Any) -> nn.Module:

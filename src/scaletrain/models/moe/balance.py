@@ -35,16 +35,25 @@ def balance_experts(modules: list[nn.Module], n_layers: int, n_experts: int) -> 
         load[layer.layer_id, n_experts + 1] = float(getattr(layer.dispatcher, "take_bytes_sent", lambda: 0)())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(load)
-    per_expert, dropped, sent = load[:, :n_experts], load[:, n_experts], load[:, n_experts + 1]
-    routed = per_expert.sum(1)
-    active = routed > 0
-    if not bool(active.any()):
-        return {}
+    per_expert = load[:, :n_experts]
     for layer in layers:
         row = per_expert[layer.layer_id]
         rate = layer.args.bias_update_rate
         if rate > 0 and row.sum() > 0:
             layer.expert_bias += rate * torch.sign(row.mean() - row).to(layer.expert_bias.dtype)
+    return load_metrics(load)
+
+
+def load_metrics(load: torch.Tensor) -> dict[str, float]:
+    """The step's expert-load metrics from `load` (n_layers x (n_experts + 2), summed over every rank: (token,
+    expert) pairs per expert, then dropped pairs and all-to-all bytes sent per layer); {} when nothing was routed.
+    Shared by every family with experts (transformers' too: models/hf/experts.py)."""
+    n_experts = load.shape[1] - 2
+    per_expert, dropped, sent = load[:, :n_experts], load[:, n_experts], load[:, n_experts + 1]
+    routed = per_expert.sum(1)
+    active = routed > 0
+    if not bool(active.any()):
+        return {}
     share = per_expert[active] / per_expert[active].mean(1, keepdim=True)  # load / mean load per MoE layer
     busiest = int(share.max(1).values.argmax())
     layer_ids = active.nonzero().flatten().tolist()
