@@ -101,6 +101,7 @@ def take_load(spec: Any, modules: list[nn.Module]) -> dict[str, float]:
     its pipeline stages, layers keyed by their index in the whole model), sum them over every rank (one
     all-reduce; every rank calls this) and return the step's load metrics ({} when nothing was routed)."""
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     from scaletrain.models.moe.balance import load_metrics
 
@@ -108,6 +109,7 @@ def take_load(spec: Any, modules: list[nn.Module]) -> dict[str, float]:
     device = next(p.device for part in modules for p in part.parameters())
     load = torch.zeros(spec.n_blocks, n_experts + 2, dtype=torch.float64, device=device)
     for part in modules:
+        part = getattr(part, "module", part) if isinstance(part, DistributedDataParallel) else part
         container = spec.blocks(part)
         for key, block in container.items() if hasattr(container, "items") else enumerate(container):
             for m in block.modules():
