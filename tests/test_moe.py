@@ -2,7 +2,7 @@
 
 One launch of tests/moe_runner.py per world size (1, 2, 4 and 8 ranks) trains every job of that size: EP 2;
 EP 2 x FSDP 2, EP 2 x HSDP 2x2, EP 2 x PP 2, EP 2 x CP 2, TP 2 x FSDP 2 (with and without sequence parallelism)
-and EP 2 x TP 2 on 4 ranks; EP 2 x FSDP 2 x TP 2 on 8. Each must give the per-step losses and final parameters of
+and EP 2 x TP 2 on 4 ranks; EP 2 x FSDP 2 x TP 2 and EP 2 x HSDP 2x2 x TP 2 on 8. Each must give the per-step losses and final parameters of
 one process within 1e-5, dropless and with a capacity factor (the one process accumulating the same per-rank
 micro-batches, so each expert's capacity is taken over the same tokens); every rank's all-to-all must carry
 exactly the (token, expert) pairs the routers kept. transformers' Qwen3-MoE joins those launches (one process, EP 2,
@@ -58,8 +58,9 @@ JOBS = {
         "hf_tp2sp_fsdp2": [*HF, "parallel.tp=2", "parallel.sequence_parallel=true"],
         "hf_ep2_tp2": [*HF, "parallel.ep=2", "parallel.tp=2"],
     },
-    8: {  # dp_shard 4 = 2 x ep 2, TP 2 in each
+    8: {  # dp_shard 4 = 2 x ep 2, TP 2 in each; HSDP: 2 replicas of dp_shard 2 = ep 2, TP 2
         "ep2_fsdp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"],
+        "ep2_hsdp2x2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2", "parallel.dp_replicate=2"],
         "hf_ep2_fsdp2_tp2": [*HF, "parallel.ep=2", "parallel.tp=2"],
     },
 }
