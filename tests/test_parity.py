@@ -28,7 +28,10 @@ class Runs:
         cwd, run = self.cwd, [f"run.output_dir={self.cwd / 'runs'}"]
         if name in CLI:
             flags, extra = CLI[name]
-            run_cli(["train", *FAST, f"run.name={name}", *extra, *flags], cwd)
+            # one thread per rank, as the runner's processes (conftest.torchrun): `scaletrain train` alone gives its
+            # one rank both cores, and the run-to-run pair then differs in thread count, so possibly in summation
+            # order (2e-7 apart at step 7 in one loaded full run, -n auto; equal in every run before it)
+            run_cli(["train", *FAST, f"run.name={name}", *extra, *flags], cwd, env={"OMP_NUM_THREADS": "1"})
         elif name == "ddp":  # `scaletrain train` runs as the rank it was started as
             torchrun(
                 2, ["-m", "scaletrain.cli.main", "train", *FAST, "run.name=ddp", "parallel.dp_replicate=2"], cwd=cwd
