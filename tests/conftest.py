@@ -79,7 +79,7 @@ def val_losses(run_dir: Path) -> list[float]:
     return [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
 
 
-# `pytest -n auto` (pytest-xdist; README offers it, CI runs one process) runs test files side by side. Each file
+# `pytest -n auto` (pytest-xdist; README's commands and CI use it) runs test files side by side. Each file
 # stays whole on one worker (its module-scoped launches are shared by its tests, never run twice), and the files that
 # start simulated nodes or a Slurm share one worker, one after another. Heavy files go first, so the last file to
 # start on a worker is a short one.
