@@ -267,7 +267,7 @@ def test_bad_input_is_one_line_before_launch(folders, tmp_path):
 
 def test_plan_of_a_hf_job_config_ranks_layouts_and_prices_expert_parallelism(folders, tmp_path):
     """`scaletrain plan model.hf=FOLDER`: a dense folder gets ranked layouts; transformers' Qwen3-MoE gets the
-    expert-parallel plan (a row per ep dividing its 4 experts; --ep picks); --ep on experts expert parallelism does
+    expert-parallel plan (a row per ep dividing its 4 experts; --ep picks, with --hf FOLDER too); --ep on experts expert parallelism does
     not split (gpt-oss: planned as dense) is one line (before: a traceback, every HF model took the expert-parallel
     planner's path)."""
     gpus = ["data.seq_len=64", "--gpu", "h100-sxm", "--gpus", "8", "--json"]
@@ -278,6 +278,9 @@ def test_plan_of_a_hf_job_config_ranks_layouts_and_prices_expert_parallelism(fol
     assert sorted(rows) == [1, 2, 4] and rows[1]["a2a_seconds_per_step"] == 0 < rows[2]["a2a_seconds_per_step"]
     out = run_cli_in_process(["plan", f"model.hf={folders['qwen3_moe']}", *gpus, "--ep", "2"], tmp_path)
     assert [r["ep"] for r in json.loads(out.stdout)["rows"]] == [2]
+    out = run_cli_in_process(["plan", "--hf", str(folders["qwen3_moe"]), *gpus[1:], "--ep", "1,4"], tmp_path)
+    by_flag = json.loads(out.stdout)
+    assert by_flag["model"] == "Qwen3MoeForCausalLM" and [r["ep"] for r in by_flag["rows"]] == [1, 4]
     gpt_oss = save_hf_folder(tmp_path / "gpt_oss", GPT_OSS, weights=False)
     ep = ["plan", f"model.hf={gpt_oss}", "--gpu", "h100-sxm", "--gpus", "8", "--ep", "2"]
     proc = run_cli_in_process(ep, tmp_path, check=False)

@@ -423,14 +423,17 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
 def _moe_spec(cfg, model, hf_path, params, ep_text):
     """The spec of the mixture-of-experts model to plan with expert parallelism (the job config's, else the preset
     --model names); None for a dense model, refused in one line when --ep asks for expert parallelism."""
-    from scaletrain.models.registry import model_spec, preset_spec, presets
+    from scaletrain.models.registry import model_spec, preset_spec, presets, spec_selected_by
 
-    if hf_path is not None or params is not None:
+    if params is not None or (hf_path is not None and ep_text is None):  # --hf alone: the dense plan (or trace)
         if ep_text is not None:
-            fail("--ep: plans the built-in MoE presets (--model moe-...) and MoE job configs; drop --hf / --params")
+            fail("--ep: plans MoE presets (--model moe-...), MoE job configs and --hf MoE folders; drop --params")
         return None
     try:
-        spec = model_spec(cfg.model) if cfg is not None else preset_spec(model) if model in presets() else None
+        if hf_path is not None:
+            spec = spec_selected_by("hf", hf_path)
+        else:
+            spec = model_spec(cfg.model) if cfg is not None else preset_spec(model) if model in presets() else None
     except ValueError as e:
         fail(str(e))
     if spec is not None and spec.n_experts is not None and spec.splits_experts:
@@ -439,7 +442,8 @@ def _moe_spec(cfg, model, hf_path, params, ep_text):
         fail(f"--ep: {spec.model_name}'s experts are laid out in a way expert parallelism does not split; drop "
              f"--ep (it is planned as a dense model)")  # fmt: skip
     if ep_text is not None:
-        fail(f"--ep: the {model} model is dense (no experts); drop --ep or plan an MoE preset (moe-...)")
+        name = spec.model_name if spec is not None and hf_path is not None else model
+        fail(f"--ep: the {name} model is dense (no experts); drop --ep or plan an MoE preset (moe-...)")
     return None
 
 
@@ -454,7 +458,7 @@ def _plan_experts(spec, model, cfg, ep_text, pp, cp_text, imbalance, cluster, se
     if not imbalance >= 1.0:
         fail(f"--moe-imbalance: must be at least 1.0 (the even share); got {imbalance:g}")
     world = cluster.gpus
-    name = model if cfg is None else spec.model_name if spec.selected_by == "hf" else cfg.model.name
+    name = spec.model_name if spec.selected_by == "hf" else model if cfg is None else cfg.model.name
     if cfg is not None:
         for key in ("dp_replicate", "tp", "cp"):
             if getattr(cfg.parallel, key) > 1:
