@@ -102,7 +102,7 @@ def mlflow_server(folder: Path):
     )
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # 30 s here beside a full -n auto run; the import of its server is slow
         while True:
             try:
                 if urllib.request.urlopen(f"{uri}/health", timeout=2).read() == b"OK":
