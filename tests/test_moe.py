@@ -359,6 +359,26 @@ def test_bad_expert_input_is_one_line_exit_2(tmp_path, monkeypatch, args, field)
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # one 2-rank launch
+def test_a_transformers_moe_trained_under_ep_exports_to_a_folder_transformers_loads(tmp_path):
+    """Qwen3-MoE trained with its experts split over 2 ranks: the checkpoint exports (--format hf) to a folder
+    from_pretrained loads, holding the checkpoint's gathered weights, the packed experts whole."""
+    from transformers import AutoModelForCausalLM
+
+    folder = save_hf_folder(tmp_path / "qwen3_moe", FAMILIES["qwen3_moe"])
+    job = [f"model.hf={folder}", "parallel.ep=2", "train.steps=2", "data.seq_len=32", "train.global_batch_size=4"]
+    job += ["train.eval_batches=1", "data.max_bytes=100000", "monitor.progress=false", "checkpoint.save_final=true"]
+    run_cli(["train", *job, "run.name=ep", "--nproc-per-node", "2"], tmp_path)
+    (ckpt,) = (tmp_path / "runs" / "ep" / "checkpoints").glob("step_*")
+    run_cli(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "out")], tmp_path)
+    state, _ = load_full_model_state(ckpt)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    experts = [k for k in state if k.endswith("experts.gate_up_proj")]
+    assert experts and loaded[experts[0]].shape == state[experts[0]].shape == (4, 64, 64)
+    for name, value in state.items():
+        assert torch.equal(loaded[name], value), name
+
+
 @pytest.mark.slow  # three launches and a restart
 def test_ep2_resumes_bit_identical_after_sigkill_and_reshards_to_no_ep(tmp_path):
     """Under EP 2 (experts as DTensors sharded on the expert dim, FSDP inside): a rank SIGKILLed mid-run restarts
