@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,25 @@ JOB = [
 SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
 
 
+def start_slow_train(cwd: Path, args: list[str], stdout=subprocess.PIPE) -> subprocess.Popen:
+    """`scaletrain train ARGS` in the background, its steps slowed (SLOW_STEPS), stderr piped (as text)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "scaletrain.cli.main", "train", *args],
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **SLOW_STEPS},
+    )
+
+
+def wait_while_running(proc: subprocess.Popen, done: Callable[[], bool], deadline: float) -> None:
+    """Poll `done` every 10 ms; fail with the run's last output if it ends, or `deadline` (monotonic) passes, first."""
+    while not done():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+        time.sleep(0.01)
+
+
 def _snapshot_step(run: Path) -> int:
     try:
         return json.loads((run / "checkpoints" / "memory.json").read_text())["step"]
@@ -70,18 +90,9 @@ def test_kill_right_after_a_memory_snapshot_resumes_from_memory_losing_no_step(t
     assert not (ref / "checkpoints" / "memory.json").exists()
 
     run = tmp_path / "runs" / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=killed", "launch.max_restarts=1"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **SLOW_STEPS},
-    )
-    deadline = time.monotonic() + 300
-    while _snapshot_step(run) < 12:  # past the first snapshots, far from the disk checkpoint of step 20
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
-        time.sleep(0.01)
+    proc = start_slow_train(tmp_path, [*JOB, "run.name=killed", "launch.max_restarts=1"])
+    # past the first snapshots, far from the disk checkpoint of step 20
+    wait_while_running(proc, lambda: _snapshot_step(run) >= 12, time.monotonic() + 300)
     victims = _workers(proc.pid)
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)

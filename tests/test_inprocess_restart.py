@@ -7,16 +7,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import losses, run_cli
-from test_checkpoint_memory import _snapshot_step, assert_same_final_weights
+from test_checkpoint_memory import _snapshot_step, assert_same_final_weights, start_slow_train
+from test_checkpoint_memory import wait_while_running
 from scaletrain.config import ConfigError, load_config
-from scaletrain.monitor.faults import ENV as FAULTS
 from scaletrain.train.inprocess import frozen_ranks
 from scaletrain.train.watchdog import Watchdog, read_heartbeats
 
@@ -39,7 +38,6 @@ JOB = [
     "checkpoint.save_final=true",
     "launch.restart=in-process",
 ]
-SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
 
 
 def _pids(run: Path, rank: int) -> list[int]:
@@ -77,27 +75,16 @@ def test_sigkilled_then_sigstopped_rank_is_replaced_in_process_survivors_keep_pi
     ref = tmp_path / "runs" / "clean"
 
     run = tmp_path / "runs" / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=killed", "launch.max_restarts=2"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **SLOW_STEPS},
-    )
+    proc = start_slow_train(tmp_path, [*JOB, "run.name=killed", "launch.max_restarts=2"])
     deadline = time.monotonic() + 300
-    while _snapshot_step(run) < 4:  # a few steps in, with a snapshot to resume from
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
-        time.sleep(0.01)
+    wait_while_running(proc, lambda: _snapshot_step(run) >= 4, deadline)  # a few steps in, a snapshot to resume from
     victim, survivor = _pids(run, VICTIM)[0], _pids(run, 1 - VICTIM)[0]
     os.kill(victim, signal.SIGKILL)
     newest = _snapshot_step(run)  # no snapshot commits without the killed rank
 
     # generation 1 trains (a snapshot newer than the one it resumed from): freeze the rank that survived the kill;
     # its collective peer cannot tell, only the launcher's heartbeat check can
-    while len(_pids(run, VICTIM)) < 2 or _snapshot_step(run) <= newest:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
-        time.sleep(0.01)
+    wait_while_running(proc, lambda: len(_pids(run, VICTIM)) >= 2 and _snapshot_step(run) > newest, deadline)
     os.kill(survivor, signal.SIGSTOP)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
@@ -123,18 +110,9 @@ def test_ranks_and_spares_end_with_a_sigkilled_launcher(tmp_path):
     import psutil
 
     run = tmp_path / "runs" / "orphans"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "scaletrain.cli.main", "train", *JOB, "run.name=orphans", "launch.spares=1"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **SLOW_STEPS},
-    )
-    deadline = time.monotonic() + 300
-    while _snapshot_step(run) < 2:  # training, with its checkpoint writer threads busy
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
-        time.sleep(0.01)
+    proc = start_slow_train(tmp_path, [*JOB, "run.name=orphans", "launch.spares=1"], stdout=subprocess.DEVNULL)
+    # training, with its checkpoint writer threads busy
+    wait_while_running(proc, lambda: _snapshot_step(run) >= 2, time.monotonic() + 300)
     family = psutil.Process(proc.pid).children(recursive=True)
     assert len(family) >= 3, family  # two ranks and a spare
     proc.kill()

@@ -195,42 +195,22 @@ def _conv1d_styles(act) -> dict:
     }
 
 
-def _replicated():
-    """Whole parameters as Replicate DTensors, plain tensors in and out: the modules the plan does not split (norms
-    without sequence parallelism), so every parameter is a DTensor (the optimizer's foreach kernels cannot mix)."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    def inputs(mod, args, mesh):
-        return tuple(
-            DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-            if hasattr(a, "dim") and not isinstance(a, DTensor)
-            else a
-            for a in args
-        )
-
-    def outputs(mod, out, mesh):
-        return out.to_local() if isinstance(out, DTensor) else out
-
-    class Replicated(ParallelStyle):
-        def _apply(self, module, device_mesh):
-            return distribute_module(module, device_mesh, None, inputs, outputs)
-
-    return Replicated()
-
-
-def _token_sharded():
-    """Whole parameters as Replicate DTensors fed this rank's tokens (dim 0 declared sharded over TP), plain tensors
-    in and out (a tuple too: a router's): the children of an MoE block under TP, where each rank routes its piece of
-    the tokens, so their gradients are partial per rank and DTensor sums them over TP."""
+def _replicated(tokens_sharded: bool = False):
+    """Whole parameters as Replicate DTensors, plain tensors in and out (a tuple too: a router's), so every
+    parameter is a DTensor (the optimizer's foreach kernels cannot mix). The inputs are declared whole (modules the
+    plan does not split: norms without sequence parallelism), or with tokens_sharded=True as this rank's tokens,
+    dim 0 sharded over TP: the children of an MoE block under TP, where each rank routes its piece of the tokens,
+    so their gradients are partial per rank and DTensor sums them over TP."""
     import torch
-    from torch.distributed.tensor import DTensor, Shard, distribute_module
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import ParallelStyle
     from torch.utils._pytree import tree_map
 
+    placement = Shard(0) if tokens_sharded else Replicate()
+
     def inputs(mod, args, mesh):
         return tuple(
-            DTensor.from_local(a, mesh, [Shard(0)], run_check=False)
+            DTensor.from_local(a, mesh, [placement], run_check=False)
             if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
             else a
             for a in args
@@ -239,18 +219,18 @@ def _token_sharded():
     def outputs(mod, out, mesh):
         return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, out)
 
-    class TokenSharded(ParallelStyle):
+    class Replicated(ParallelStyle):
         def _apply(self, module, device_mesh):
             return distribute_module(module, device_mesh, None, inputs, outputs)
 
-    return TokenSharded()
+    return Replicated()
 
 
 def _moe_block_styles(layer: nn.Module, lpath: str, act) -> dict:
     """TP of a transformers MoE block whose packed experts models/hf/experts.py runs (the built-in family's way,
     models/moe/parallelize.py): its input cut into tp pieces of every sequence, each rank routing its piece through
     whole experts (FSDP2 sums the experts' gradients over TP: parallel/dims.py expert_fsdp_mesh), the router and
-    shared experts whole (TokenSharded), the output gathered back (or left sharded under sequence parallelism);
+    shared experts whole (_replicated, tokens sharded), the output gathered back (or left sharded under sequence parallelism);
     {} for a layer without such a block."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
@@ -272,7 +252,7 @@ def _moe_block_styles(layer: nn.Module, lpath: str, act) -> dict:
     }
     for name, child in block.named_children():
         if name != "experts" and any(True for _ in child.parameters()):
-            styles[f"{lpath}.mlp.{name}"] = _token_sharded()
+            styles[f"{lpath}.mlp.{name}"] = _replicated(tokens_sharded=True)
     return styles
 
 
