@@ -71,6 +71,12 @@ def wandb_history(path: Path) -> dict[int, dict]:
     return rows
 
 
+def wandb_folders(root: Path, run_id: str) -> list[Path]:
+    """The offline folders of one W&B run, oldest first; a second attempt started within the same second as the first
+    gets W&B's `-1` suffix (offline-run-<time>-<id>-1)."""
+    return [f for f in sorted((root / "wandb").glob("offline-run-*")) if run_id in f.name.split("-")]
+
+
 def wandb_updates(path: Path, kind: str) -> dict:
     """The config or summary of an offline run file, every update applied in order."""
     out: dict = {}
@@ -177,7 +183,7 @@ def _trackers_through_a_resumed_run(tmp_path: Path, store: str) -> None:
     # W&B offline: its folders under the run folder, one per attempt, both under the run id the resume kept
     wandb_id = json.loads((run / "monitor" / "wandb.json").read_text())["run_id"]
     assert wandb_id == first_wandb["run_id"]
-    folders = sorted((run / "wandb").glob(f"offline-run-*-{wandb_id}"))
+    folders = wandb_folders(run, wandb_id)
     assert len(folders) == 2, list((run / "wandb").iterdir())
     first, resumed = (next(f.glob(f"run-{wandb_id}.wandb")) for f in folders)
     steps = {**wandb_history(first), **wandb_history(resumed)}
@@ -228,14 +234,15 @@ def test_sinks_in_one_process_and_a_fresh_run_starts_new_tracker_runs(tmp_path, 
     assert run.data.metrics["peak_mem_bytes_per_rank/rank1"] == 20 and "note" not in run.data.metrics
     assert run.data.metrics["summary/final_loss"] == 0.25 and run.data.tags["summary.layout"] == "fsdp"
     assert json.loads((out / "monitor" / "wandb.json").read_text())["run_id"] == first
-    folders = sorted((out / "wandb").glob(f"offline-run-*-{first}"))
+    folders = wandb_folders(out, first)
+    assert len(folders) == 2, folders
     steps = {k: v for f in folders for k, v in wandb_history(next(f.glob("run-*.wandb"))).items()}
     assert {s: row["loss"] for s, row in steps.items()} == pytest.approx({s: 1.0 / s for s in (1, 2, 3, 4)})
 
     attempt(0, 1)  # a fresh run in the same folder: the ids kept were cleared with the last run's outputs
     assert len(client.search_runs([experiment.experiment_id])) == 2
     assert json.loads((out / "monitor" / "wandb.json").read_text())["run_id"] != first
-    assert not list((out / "wandb").glob(f"offline-run-*-{first}"))
+    assert not wandb_folders(out, first)
 
 
 @pytest.mark.parametrize(
