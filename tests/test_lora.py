@@ -102,7 +102,9 @@ def test_the_adapted_model_is_peft_model(trained):
     [
         ("lora.targets=['nothing_here']", "lora.targets: ['nothing_here'] match no module"),
         ("lora.rank=1000", "lora.rank: 1000 is larger than"),
-        ("lora.quantize=nf4", "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet"),
+        # the tiny preset's q projection: 128 x 128, 64 rows per FSDP shard of 2: 8192 weights, half a block
+        ("lora.quantize=nf4", "lora.quantize: layers.0.attention.wq (64x128 rows per shard) is not made of whole NF4"),
+        ("lora.quantize=nf4 parallel.tp=2", "lora.quantize: a 4-bit base is not split by tensor parallelism"),
         ("parallel.tp=2 lora.dropout=0.1", "lora.dropout: adapter dropout under tensor parallelism is not supported"),
     ],
 )
@@ -312,3 +314,137 @@ def test_hf_family_export_peft_and_merged_give_equal_logits(hf_runs, tmp_path):
     assert not torch.allclose(adapted, before, atol=1e-4)  # the adapters trained and were loaded
     assert torch.allclose(adapted, merged, atol=TOL, rtol=0)
     assert len(runner_losses(out / "single")) == 5
+
+
+# -- QLoRA: the adapted layers' frozen base in 4-bit NormalFloat (torchao's NF4Tensor), sharded by FSDP2 -----------
+# dims whose projections are whole NF4 blocks (64 x 256 weights) in each of 2 (and 4) FSDP shards
+QLORA = ["model.dim=256", "model.ffn_dim=512", "model.n_kv_heads=4", *LORA, "lora.quantize=nf4"]
+QLORA_LAYOUTS = {
+    "fsdp": [],
+    "ddp": ["parallel.dp_replicate=2"],
+    "pp": ["parallel.pp=2", "parallel.dp_shard=1", "train.micro_batch_size=4"],
+}
+QLORA_LAYOUTS4 = {"hsdp": ["parallel.dp_replicate=2", "parallel.dp_shard=2"]}
+QLORA_CKPT = [
+    "train.eval_interval=0",
+    "checkpoint.interval_steps=2",
+    "checkpoint.save_final=true",
+    "checkpoint.async_save=false",
+]
+
+
+def _nf4_bytes(t) -> int:
+    """Bytes an NF4 tensor stores: its 4-bit codes, block scales and their own scales (torchao's inner tensors)."""
+    return sum(getattr(t, name).nbytes for name in t.__tensor_flatten__()[0])
+
+
+class QloraRuns:
+    """One process (bare steps; the trainer's own loop with checkpoints; the same job on a full-precision base) and
+    FSDP2 on 2 ranks, launched at once; the slow tier's other layouts in one launch per rank count, when asked."""
+
+    def __init__(self, out: Path):
+        self.out, steps = out, f"train.steps={STEPS}"
+        fit = [steps, *QLORA, *QLORA_CKPT, f"run.output_dir={out / 'fit'}", "run.name=qlora", "parallel.dp_shard=1"]
+        single = {"single": [steps, *QLORA], "fit": fit, "plain_base": [steps, *QLORA[:-1]]}
+        launch_runner(1, single, out, fit=frozenset({"fit"}))
+        launch_runner(2, {"fsdp": [steps, *QLORA]}, out)
+
+    def __truediv__(self, name: str) -> Path:
+        if not (self.out / name).exists():
+            group = (
+                QLORA_LAYOUTS4 if name in QLORA_LAYOUTS4 else {n: o for n, o in QLORA_LAYOUTS.items() if n != "fsdp"}
+            )
+            nproc = 4 if name in QLORA_LAYOUTS4 else 2
+            launch_runner(nproc, {n: [f"train.steps={STEPS}", *QLORA, *o] for n, o in group.items()}, self.out)
+        return self.out / name
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    return QloraRuns(tmp_path_factory.mktemp("qlora"))
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(n, marks=pytest.mark.slow) if n != "fsdp" else n for n in [*QLORA_LAYOUTS, *QLORA_LAYOUTS4]]
+)
+def test_qlora_layouts_equal_one_process(qlora, layout):
+    """Every layout computes with the single process's 4-bit base (quantized whole, each rank its rows): equal
+    losses, an NF4 base bit-identical after training, adapters as one process, optimizer state for adapters only."""
+    ref, got = runner_losses(qlora / "single"), runner_losses(qlora / layout)
+    assert len(ref) == len(got) == STEPS
+    for step, (a, b) in enumerate(zip(ref, got), 1):
+        assert abs(a - b) <= TOL, f"{layout} step {step}: {b} vs single-process {a}"
+    base = torch.load(qlora / "single" / "state_rank0.pt", weights_only=False)
+    files = list((qlora / layout).glob("state_rank*.pt"))
+    assert files
+    for rank_file in files:
+        for name, t in torch.load(rank_file, weights_only=False).items():
+            if is_adapter_name(name):
+                assert torch.allclose(t, base[name], atol=TOL, rtol=0), name
+            else:  # the 4-bit base as it computes (full_state_dict dequantizes it) and the rest, bit-identical
+                assert torch.equal(t, base[name]), name
+    held = json.loads((qlora / layout / "optimizer_state.json").read_text())
+    assert held and all(is_adapter_name(n) for n in held)
+
+
+def _qlora_model(cfg, spec):
+    """The job's adapted model in one process, its base filled and quantized as the trainer does."""
+    from scaletrain.models.lora import fill_base
+
+    model = add_lora(spec.build("meta"), cfg.lora, spec)
+    model.to_empty(device="cpu")
+    fill_base(model, lambda m: spec.init_weights(m, cfg.run.seed))
+    init_adapters(model, cfg.run.seed)
+    return model
+
+
+def test_qlora_base_is_four_bit_and_trains(qlora):
+    """The adapted projections' base is NF4 (about 4.1 bits a weight: 4-bit codes, an 8-bit scale per 64 weights, a
+    32-bit scale per 256 scales), quantized whole from the very weights a full-precision run starts from, and the
+    trainer computes with those values; the rest stays fp32. Training moves the loss, close to the same job on the
+    full-precision base but not equal to it."""
+    from scaletrain.models.lora import nf4_round_trip
+
+    cfg = load_config(None, [*FAST, *QLORA])
+    spec = resolve_job(cfg, 1).spec
+    model = _qlora_model(cfg, spec)
+    nf4 = {plain_param_name(n): p for n, p in model.named_parameters() if type(p).__name__ == "NF4Tensor"}
+    assert len(nf4) == len(spec.lora_targets()) * 4  # 7 projections x 4 blocks
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if plain_param_name(n) not in nf4)
+    trained = torch.load(qlora / "single" / "state_rank0.pt")  # base frozen: as it started
+    plain = torch.load(qlora / "plain_base" / "state_rank0.pt")
+    for name, t in nf4.items():
+        assert _nf4_bytes(t) * 8 / t.numel() < 4.2, name  # vs 32 bits a weight in fp32
+        assert torch.equal(t.get_original_weight(), nf4_round_trip(plain[name])), name
+        assert torch.equal(trained[name], t.get_original_weight()), name
+        assert not torch.equal(trained[name], plain[name]), name
+    ours, full = runner_losses(qlora / "single"), runner_losses(qlora / "plain_base")
+    assert ours[-1] < ours[0] and ours != full
+    assert all(abs(a - b) < 0.05 * b for a, b in zip(ours, full))
+
+
+def test_qlora_checkpoint_holds_adapters_and_merged_export_gives_the_trained_logits(qlora, tmp_path):
+    """A QLoRA checkpoint is adapters only (and says its base was 4-bit); `ckpt export --format hf` merges them into
+    the 4-bit base's values, so transformers' model of the folder gives the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.checkpoint.adapters import read_adapters
+
+    ckpt = qlora / "fit" / "qlora" / "checkpoints" / f"step_{STEPS:08d}"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    cfg = load_config(None, [*FAST, *QLORA])
+    spec = resolve_job(cfg, 1).spec
+    assert manifest["lora"]["quantize"] == "nf4" and manifest["bytes"] < spec.num_params()  # < 1 byte a weight
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
+    ours = _qlora_model(cfg, spec)
+    adapters = read_adapters(ckpt)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if plain_param_name(name) in adapters:
+                p.copy_(adapters[plain_param_name(name)])
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours(tokens)
+        assert float(want.std()) > 0
+        assert torch.allclose(merged(tokens).logits, want, atol=TOL, rtol=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from scaletrain.models.lora import ADAPTER, base_fingerprint
+from scaletrain.models.lora import ADAPTER, base_fingerprint, nf4_round_trip
 from scaletrain.models.spec import ModelSpec
 
 PEFT_PREFIX = "base_model.model."  # peft's key prefix in adapter_model.safetensors
@@ -99,7 +99,9 @@ def base_state(spec: ModelSpec, lora: dict) -> dict[str, torch.Tensor]:
 
 
 def export_merged(ckpt: Path, out: Path, spec: ModelSpec, lora: dict) -> list[Path]:
-    """A transformers folder of the base with every adapter merged in: W + (alpha / rank) * B @ A."""
+    """A transformers folder of the base with every adapter merged in: W + (alpha / rank) * B @ A, W being the
+    4-bit base's values for a QLoRA run (what its adapters were trained against; `--format peft` puts them on any
+    base)."""
     from safetensors.torch import save_file
 
     hf = spec.hf
@@ -114,7 +116,10 @@ def export_merged(ckpt: Path, out: Path, spec: ModelSpec, lora: dict) -> list[Pa
             if kind != "lora_A":
                 continue
             b = adapters[name.replace(".lora_A.", ".lora_B.")]
-            state[base_name] = state[base_name] + scale * (b.float() @ a.float())
+            base = state[base_name]
+            if lora.get("quantize", "none") == "nf4":  # QLoRA: the 4-bit base the adapters were trained against
+                base = nf4_round_trip(base)
+            state[base_name] = base + scale * (b.float() @ a.float())
     out.mkdir(parents=True, exist_ok=True)
     converted = {k: v.contiguous() for k, v in hf.to_hf(state).items()}
     save_file(converted, str(out / "model.safetensors"), metadata={"format": "pt"})

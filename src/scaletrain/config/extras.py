@@ -23,9 +23,9 @@ def installed(module: str) -> bool:
         return False
 
 
-def require(module: str, feature: str) -> None:
+def require(module: str, feature: str, extra: str | None = None) -> None:
     """ValueError, one line naming `feature` (the config key or option that asks for it) and the extra that installs
-    `module`, when it is not installed."""
+    `module` (`extra`, else the one EXTRA_OF names), when it is not installed."""
     if not installed(module):
-        extra = EXTRA_OF[module]
+        extra = extra or EXTRA_OF[module]
         raise ValueError(f"{feature}: needs {module}, which is not installed; pip install 'scaletrain[{extra}]'")

@@ -590,7 +590,9 @@ class LoraConfig(Section):
         "MLP projections",
     )
     quantize: Literal["none", "nf4"] = Field(
-        "none", description="the frozen base's storage: 'nf4' is QLoRA's 4-bit base (bitsandbytes), not built yet"
+        "none",
+        description="the adapted layers' frozen base weights: 'nf4' stores them in QLoRA's 4-bit NormalFloat "
+        "(torchao's NF4Tensor, the qlora extra), sharded by FSDP2; 'none' keeps them in the model's dtype",
     )
 
 

@@ -60,12 +60,14 @@ class PromptSampler:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from scaletrain.inference.generate import GenerationOptions, causal_lm, generate
+        from scaletrain.models.lora import dequantized
         from scaletrain.models.naming import plain_param_name
         from scaletrain.parallel.float8 import plain_weights
 
         whole = dist.is_initialized() and dist.get_world_size() > 1
         options = StateDictOptions(full_state_dict=True, cpu_offload=whole)
-        state = plain_weights(get_model_state_dict(self.module, options=options))
+        # fp8's wrappers and a 4-bit base (QLoRA) as plain weights: the sample model is a plain transformers one
+        state = dequantized(plain_weights(get_model_state_dict(self.module, options=options)))
         if self.rank != 0 or self.codec is None:
             return None
         weights = {plain_param_name(k): v.detach().to("cpu", copy=True).float() for k, v in state.items()}

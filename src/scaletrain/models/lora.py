@@ -5,6 +5,11 @@ layouts then treat the adapted model as any other (parallel/apply.py shards the 
 The family answers which modules are adapted by default (ModelSpec.lora_targets); nothing here names a module.
 Under tensor parallelism the adapters follow their base layer's split (parallel/tensor_parallel.py adapter_tp_styles), so the math is exact.
 
+QLoRA (lora.quantize='nf4'): the adapted layers' frozen base weights are stored as torchao's NF4Tensor (4-bit
+NormalFloat in blocks of 64, block scales quantized again in blocks of 256: QLoRA's format). They are NF4 from the
+meta build on, so FSDP2 shards them with NF4's own all-gather hooks; each weight is quantized whole once filled
+(fill_base) and every rank keeps its rows, so every layout computes with the very values one process does.
+
 Determinism: peft's base weights keep their plain names (`base_layer` is a wrapper component, models/naming.py),
 so the family's init by name fills them as without LoRA; the adapters are filled here by name too (lora_B zeros,
 lora_A from a generator seeded by (seed, name)), so every layout starts from the single-process numbers.
@@ -16,6 +21,7 @@ import hashlib
 import json
 import math
 import zlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from scaletrain.models.naming import is_adapter_name, plain_param_name
@@ -27,6 +33,9 @@ if TYPE_CHECKING:
     from scaletrain.models.spec import ModelSpec
 
 ADAPTER = "default"  # peft's adapter name: the one adapter a job trains
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's blocks: 64 weights per scale, 256 scales per second-level scale
+# a 4-bit base weight (each rank's rows of it) is made of whole second-level blocks: its size a multiple of this
+NF4_GRANULE = NF4_BLOCK * NF4_SCALER_BLOCK
 
 
 def lora_targets(cfg: LoraConfig, spec: ModelSpec) -> list[str]:
@@ -74,14 +83,139 @@ def check_lora(cfg: LoraConfig, spec: ModelSpec) -> None:
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig, spec: ModelSpec) -> nn.Module:
-    """`model` (on meta) with peft's LoRA layers on the targets, every other weight frozen; returns it."""
+    """`model` (on meta) with peft's LoRA layers on the targets, every other weight frozen, the adapted layers' base
+    weights NF4 with lora.quantize='nf4'; returns it."""
     from peft import inject_adapter_in_model
 
     targets = lora_targets(cfg, spec)
     model = inject_adapter_in_model(_peft_config(cfg, targets), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_name(plain_param_name(name)))
+    if cfg.quantize == "nf4":
+        from torch import nn as _nn
+        from torchao.quantization import to_nf4
+
+        for _, base in _adapted_bases(model):
+            w = base.weight
+            base.weight = _nn.Parameter(to_nf4(w.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
     return model
+
+
+def _adapted_bases(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(path, base linear) of every peft LoRA layer of `model`."""
+    return [(n, m.base_layer) for n, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+
+
+def _is_nf4(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return type(local).__name__ == "NF4Tensor"
+
+
+def quantized_base_names(model: nn.Module) -> list[str]:
+    """Names (as `model` has them) of its NF4 base weights."""
+    return [n for n, p in model.named_parameters() if _is_nf4(p)]
+
+
+def fill_base(model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
+    """Run `fill` (the family's init by name, or its HF folder's weights) on `model`; with a 4-bit base, each NF4
+    weight is first swapped for a plain one of its shape and placement, then, once filled, quantized whole (an
+    all-gather of one weight at a time) and each rank keeps its rows of the result. Quantizing whole keeps the
+    block scales' shared mean of the unsplit weight, so a sharded base equals the single-process one bit for bit.
+
+    The NF4 parameter objects are replaced (a module attribute set), not copied into: FSDP2 picks the new sharded
+    parameter up at its lazy init, as after load_state_dict(assign=True)."""
+    import torch
+    from torch import nn as _nn
+    from torch.distributed.tensor import DTensor
+
+    swapped = [base for _, base in _adapted_bases(model) if _is_nf4(base.weight)]
+    for base in swapped:
+        w = base.weight
+        new: torch.Tensor
+        if isinstance(w, DTensor):
+            local = w.to_local()
+            plain = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            new = DTensor.from_local(
+                plain, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+            )
+        else:
+            new = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        base.weight = _nn.Parameter(new, requires_grad=False)
+    fill(model)
+    if not swapped:
+        return
+    from torchao.quantization import to_nf4
+
+    with torch.no_grad():
+        for base in swapped:
+            w = base.weight
+            whole = w.full_tensor() if isinstance(w, DTensor) else w.detach()
+            q = to_nf4(whole.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
+            if isinstance(w, DTensor):
+                q = DTensor.from_local(
+                    _rows_of_rank(q, w), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
+                )
+            base.weight = _nn.Parameter(q, requires_grad=False)
+
+
+def _rows_of_rank(q, w):
+    """This rank's part of the whole NF4 weight `q` as the DTensor `w` places it: chunked along dim 0 on each mesh
+    dimension that shards it, in mesh order (DTensor's own split; NF4's chunk keeps the whole weight's scales).
+    Only row shards occur here (FSDP2's Shard(0)): a 4-bit base under TP is refused before launch."""
+    for dim, placement in enumerate(w.placements):
+        if placement.is_shard():
+            if placement.dim != 0:
+                raise ValueError(f"lora.quantize: a 4-bit base cannot be split along dim {placement.dim}")
+            q = q.chunk(w.device_mesh.size(dim), dim=0)[w.device_mesh.get_local_rank(dim)]
+    return q
+
+
+def dequantized(state: dict) -> dict:
+    """A state dict whose NF4 weights (a 4-bit base, plain or a DTensor over NF4 rows) are given dequantized in
+    their own dtype, as plain tensors or DTensors over the plain rows; everything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    out = dict(state)
+    for key, value in state.items():
+        if not _is_nf4(value):
+            continue
+        if isinstance(value, DTensor):
+            plain = value.to_local().get_original_weight()  # type: ignore[attr-defined]
+            out[key] = DTensor.from_local(
+                plain, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        else:
+            out[key] = value.get_original_weight()
+    return out
+
+
+def nf4_round_trip(weight):
+    """`weight` as a 4-bit base computes with it: quantized whole to NF4 and read back in its dtype."""
+    from torchao.quantization import to_nf4
+
+    return to_nf4(weight.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK).get_original_weight()
+
+
+def check_quantize(cfg: LoraConfig, spec: ModelSpec, shards: int) -> None:
+    """ValueError (one line) when the 4-bit base cannot be built: torchao missing, or an adapted weight (each of
+    `shards` FSDP row shards of it) not made of whole NF4 blocks."""
+    from scaletrain.config.extras import require
+
+    if cfg.quantize == "none" or cfg.rank == 0:
+        return
+    require("torchao", "lora.quantize", extra="qlora")
+    model = add_lora(spec.build("meta"), cfg.model_copy(update={"quantize": "none"}), spec)
+    for name, base in _adapted_bases(model):
+        rows, cols = base.weight.shape
+        if rows % shards or (rows // shards) * cols % NF4_GRANULE:
+            per = f"{rows // shards}x{cols} rows per shard" if shards > 1 else f"{rows}x{cols}"
+            raise ValueError(
+                f"lora.quantize: {name} ({per}) is not made of whole NF4 blocks ({NF4_BLOCK} weights x "
+                f"{NF4_SCALER_BLOCK} scales = {NF4_GRANULE}); leave it out of lora.targets, use fewer FSDP shards, "
+                f"or lora.quantize='none'"
+            )
 
 
 def adapter_init_std(name: str, fan_in: int) -> float:
@@ -127,6 +261,7 @@ def lora_manifest(cfg: LoraConfig, spec: ModelSpec, seed: int) -> dict:
         "dropout": cfg.dropout,
         "targets": lora_targets(cfg, spec),
         "base": base_fingerprint(spec),
+        "quantize": cfg.quantize,  # the base the adapters were trained against ('nf4': its 4-bit copy)
     }
 
 

@@ -99,8 +99,15 @@ def apply_fsdp(
 def apply_ddp(model: nn.Module, mesh, device: torch.device, bucket_cap_mb: float) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
+    from scaletrain.models.lora import quantized_base_names
+
     group = mesh["dp_replicate"].get_group()
     ids = [device.index] if device.type == "cuda" else None
+    # DDP's start-up broadcast of every weight garbles a 4-bit base (NF4's packed parts are not sent whole); every
+    # rank quantized the same weights itself (models/lora.py fill_base), so they are left out of it
+    quantized = quantized_base_names(model)
+    if quantized:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
     return DistributedDataParallel(model, process_group=group, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
 
 

@@ -31,14 +31,16 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
     from scaletrain.models.lora import check_lora
 
     check_lora(cfg.lora, spec)
-    # bitsandbytes 0.50.2 installs beside torch 2.13.0 (CPU) and its nf4 Linear4bit runs forward and backward on CPU,
-    # but its packed uint8 Params4bit keeps the quant state outside the tensor, which FSDP2/TP cannot shard; torchao
-    # 0.18's NF4Tensor (torchao.quantization, no longer torchao.dtypes.nf4tensor) has FSDP2's all-gather hooks
-    if cfg.lora.quantize != "none":
-        raise ValueError(
-            "lora.quantize: a 4-bit base (QLoRA, bitsandbytes) is not supported yet: its packed weights are not "
-            "sharded by FSDP2/TP here; use lora.quantize='none'"
-        )
+    if cfg.lora.quantize != "none" and cfg.lora.rank:
+        from scaletrain.models.lora import check_quantize
+
+        if degrees.tp > 1:  # a rowwise split cuts NF4's blocks of a row: torchao's NF4 splits along rows only
+            raise ValueError(
+                "lora.quantize: a 4-bit base is not split by tensor parallelism; use parallel.tp=1 (FSDP shards it)"
+            )
+        if cfg.parallel.cpu_offload:
+            raise ValueError("lora.quantize: a 4-bit base is not offloaded to the CPU; use parallel.cpu_offload=false")
+        check_quantize(cfg.lora, spec, degrees.dp_shard if degrees.mode.sharded else 1)
     if degrees.tp > 1 and cfg.lora.dropout:  # each TP rank would draw its own mask on the whole input
         raise ValueError("lora.dropout: adapter dropout under tensor parallelism is not supported; use lora.dropout=0")
     if degrees.cp > 1:

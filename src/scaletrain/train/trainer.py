@@ -60,13 +60,13 @@ def build_model(cfg: JobConfig, resolved: ResolvedJob, mesh, rt: Runtime) -> Par
     model = spec.build("meta")
     if not cfg.lora.rank:
         return apply_parallelism(model, plan, mesh, rt.device, lambda m: spec.init_weights(m, seed))
-    from scaletrain.models.lora import add_lora, init_adapters
+    from scaletrain.models.lora import add_lora, fill_base, init_adapters
 
     # adapters go on before any layout step (the apply order then lays out the adapted model as any other)
     model = add_lora(model, cfg.lora, spec)
 
     def init(m) -> None:
-        spec.init_weights(m, seed)  # the frozen base, by name or from model.hf's folder
+        fill_base(m, lambda whole: spec.init_weights(whole, seed))  # by name or from model.hf's folder; nf4 after
         init_adapters(m, seed)
 
     return apply_parallelism(model, plan, mesh, rt.device, init)
