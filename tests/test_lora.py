@@ -448,3 +448,21 @@ def test_qlora_checkpoint_holds_adapters_and_merged_export_gives_the_trained_log
         want = ours(tokens)
         assert float(want.std()) > 0
         assert torch.allclose(merged(tokens).logits, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_qlora_hf_family_from_its_folder_equal_on_every_layout(tmp_path):
+    """QLoRA on a Hugging Face family (qwen3: q/k norms, tied embedding) whose base comes from its folder's weights:
+    quantized once read, FSDP2 and DDP equal one process."""
+    from test_hf_models import DECODER, STEPS as HF_STEPS, save_hf_folder
+
+    dims = {**DECODER, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4}
+    folder = save_hf_folder(tmp_path / "qwen3", dict(model_type="qwen3", **dims, head_dim=64, tie_word_embeddings=True))
+    job = [*HF_STEPS, f"model.hf={folder}", *LORA, "lora.quantize=nf4"]
+    launch_runner(1, {"single": [*job, "parallel.dp_shard=1"]}, tmp_path)
+    launch_runner(2, {"fsdp": job, "ddp": [*job, "parallel.dp_replicate=2", "parallel.dp_shard=1"]}, tmp_path)
+    ref = runner_losses(tmp_path / "single")
+    assert len(ref) == 5 and ref[-1] < ref[0]
+    for layout in ("fsdp", "ddp"):
+        got = runner_losses(tmp_path / layout)
+        assert len(got) == len(ref) and all(abs(a - b) <= TOL for a, b in zip(ref, got)), (layout, got, ref)
