@@ -182,3 +182,78 @@ def test_plan_reads_lora_from_a_job_config(tmp_path):
         ["plan", "model.name=tiny", "lora.rank=4", "lora.targets=['norm']", "--gpus", "2"], tmp_path, check=False
     )
     assert bad.returncode == 2 and "lora.targets: the planner knows no block linear 'norm'" in bad.stderr
+
+
+QLORA_DIMS = ["model.dim=256", "model.ffn_dim=512", "model.n_kv_heads=4"]
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a parameter stores: an NF4 tensor's inner tensors (codes, scales, their scales, mean, table)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if type(t).__name__ == "NF4Tensor":
+        return sum(getattr(t, name).nbytes for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("shape, shards", [((256, 256), 1), ((512, 256), 2), ((1024, 512), 4)])
+def test_nf4_bytes_are_torchaos_of_each_fsdp_shard(shape, shards):
+    """plan/lora.py nf4_bytes is exact for an NF4 weight and for each of its FSDP2 row shards (NF4's own chunk)."""
+    from torchao.quantization import to_nf4
+
+    from scaletrain.plan.lora import nf4_bytes
+
+    q = to_nf4(torch.randn(shape))
+    for part in q.chunk(shards, dim=0):
+        assert _stored_bytes(part) == nf4_bytes(part.numel())
+
+
+def test_one_process_qlora_trainer_keeps_what_the_planner_predicts(tmp_path):
+    """QLoRA (lora.quantize='nf4'): the trainer's parameters (the 4-bit base as stored), gradients and AdamW states
+    in bytes, as trainer_model_state_bytes predicts them; the base about 7.8x smaller than fp32."""
+    from scaletrain.config import load_config
+    from scaletrain.parallel.runtime import shutdown_distributed
+    from scaletrain.train import Trainer
+    from scaletrain.train.step import forward_backward, step_count
+
+    lora = ["lora.rank=4", "lora.targets=['wq','wv','w2']", "lora.quantize=nf4"]
+    cfg = load_config(None, [*FAST, *QLORA_DIMS, *lora, f"run.output_dir={tmp_path}"])
+    trainer = Trainer.build(cfg)
+    model, job = trainer.model.module, trainer.job
+    try:
+        mb = trainer.loader.next_step()
+        forward_backward(job, trainer.task, mb, trainer.layout.grad_average / step_count(job, trainer.task, mb))
+        gradients = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        job.step(skip_nonfinite=False)
+    finally:
+        shutdown_distributed()  # Trainer.build's one-rank group
+    states = sum(_local_bytes(v) for s in job.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+    measured = {
+        "parameters": sum(_stored_bytes(p) for p in model.parameters()),
+        "gradients": gradients,
+        "optimizer states": states,
+    }
+    shape = trainer.spec.shape()
+    quantized = lora_shape(4, ["wq", "wv", "w2"], quantize="nf4")
+    assert measured == trainer_model_state_bytes(shape, seq_len=cfg.data.seq_len, lora=quantized)
+    plain = trainer_model_state_bytes(shape, seq_len=cfg.data.seq_len, lora=lora_shape(4, ["wq", "wv", "w2"]))
+    nf4 = [p for p in model.parameters() if type(p).__name__ == "NF4Tensor"]
+    saved = plain["parameters"] - measured["parameters"]
+    assert len(nf4) == 3 * shape.n_layers and saved == pytest.approx(sum(4 * p.numel() - _stored_bytes(p) for p in nf4))
+    assert sum(4 * p.numel() for p in nf4) / sum(_stored_bytes(p) for p in nf4) > 7.5
+
+
+def test_plan_lora_quantize_shrinks_the_base_and_keeps_tp_out(tmp_path):
+    args = ["plan", "--model", "llama-70b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "64", "--json"]
+    lora = json.loads(run_cli_in_process([*args, "--lora-rank", "16"], tmp_path).stdout)
+    qlora = json.loads(run_cli_in_process([*args, "--lora-rank", "16", "--lora-quantize", "nf4"], tmp_path).stdout)
+    assert qlora["workload"]["lora"]["quantize"] == "nf4" and lora["workload"]["lora"]["quantize"] == "none"
+    assert all(r["layout"]["tp"] == 1 for r in qlora["layouts"])  # what the trainer runs: a 4-bit base is not TP-split
+    by_layout = {r["describe"]: r["memory_bytes"] for r in lora["layouts"]}
+    same = [(r["memory_bytes"], by_layout[r["describe"]]) for r in qlora["layouts"] if r["describe"] in by_layout]
+    assert same, "no layout in both tables"
+    for four_bit, fp32 in same:
+        # 4.1 bits instead of 32 for the projections (~91% of Llama 70B's weights), fp32 embeddings and norms
+        assert 0.12 * fp32["parameters"] < four_bit["parameters"] < 0.2 * fp32["parameters"]
+        assert four_bit["optimizer states"] == fp32["optimizer states"]
+    bad = run_cli_in_process([*args[:-1], "--lora-quantize", "nf4"], tmp_path, check=False)
+    assert bad.returncode == 2 and "--lora-quantize: a 4-bit base is LoRA's (QLoRA)" in bad.stderr

@@ -80,6 +80,13 @@ def _hf_shape(path: str):
     help="lora.rank: a frozen base with LoRA adapters of this rank on the attention and MLP projections; only the "
     "adapters get gradients and optimizer states (a job config's [lora] otherwise; 0: full fine-tuning).",
 )
+@click.option(
+    "--lora-quantize",
+    type=click.Choice(["none", "nf4"]),
+    default=None,
+    help="lora.quantize with --lora-rank: 'nf4' plans QLoRA, the adapted projections' frozen base in 4-bit NF4 "
+    "(a job config's [lora] otherwise).",
+)
 @click.option("--precision", "precisions", default="bf16,fp32", show_default=True, help="Compute dtypes to search.")
 @click.option(
     "--fp8",
@@ -156,6 +163,7 @@ def plan(
     global_batch,
     doc_len,
     lora_rank,
+    lora_quantize,
     precisions,
     ac_modes,
     schedules,
@@ -278,7 +286,7 @@ def plan(
         work = dataclasses.replace(work, fp8=fp8, compile=runs_compiled(compiled, fp8, gpu), doc_len=doc_len)
         if block is not None and block != work.args.block:
             work = dataclasses.replace(work, args=_with_block(work.args, block), model_name=work.model_name + "*")
-        work = dataclasses.replace(work, lora=_lora(config, lora_rank))
+        work = dataclasses.replace(work, lora=_lora(config, lora_rank, lora_quantize))
     except ValueError as e:
         fail(str(e))
     pins = None
@@ -336,16 +344,22 @@ def _with_block(args, block: str):
     return dataclasses.replace(args, block=block)
 
 
-def _lora(cfg, rank):
-    """The planner's LoRA of --lora-rank (the default targets) or else the job config's [lora]; None: full
-    fine-tuning. ValueError naming lora.targets for a target the planner cannot place."""
+def _lora(cfg, rank, quantize=None):
+    """The planner's LoRA of --lora-rank (the default targets) or else the job config's [lora], with --lora-quantize
+    or lora.quantize; None: full fine-tuning. ValueError naming lora.targets for a target the planner cannot place,
+    or --lora-quantize without LoRA."""
     from scaletrain.plan.lora import lora_shape
 
     if rank is not None:
-        return lora_shape(rank) if rank else None
-    if cfg is None or not cfg.lora.rank:
-        return None
-    return lora_shape(cfg.lora.rank, list(cfg.lora.targets) if cfg.lora.targets else None, cfg.lora.dropout)
+        shape = lora_shape(rank, quantize=quantize or "none") if rank else None
+    elif cfg is None or not cfg.lora.rank:
+        shape = None
+    else:
+        targets = list(cfg.lora.targets) if cfg.lora.targets else None
+        shape = lora_shape(cfg.lora.rank, targets, cfg.lora.dropout, quantize or cfg.lora.quantize)
+    if quantize == "nf4" and shape is None:
+        raise ValueError("--lora-quantize: a 4-bit base is LoRA's (QLoRA); give --lora-rank R or lora.rank")
+    return shape
 
 
 def _job_config(config_args):

@@ -3,6 +3,11 @@ weights but no gradients and no AdamW states; each adapted linear W (out x in) g
 lora_B (out x rank), fp32, which alone get gradients and optimizer states (models/lora.py). Adapters sit on the
 block's projections only (never the embedding or the output layer), so a rank holds its blocks' adapters.
 
+QLoRA (lora.quantize='nf4', `plan --lora-quantize nf4`): the adapted projections' base weights are torchao NF4
+tensors: per weight a 4-bit code and an int8 scale per 64, per 256 scales one scale in the base's dtype (fp32), and
+per tensor (each FSDP2 shard is one) its scales' mean and the 16-entry NF4 table (nf4_bytes: exact, tested against
+the trainer's tensors). FSDP2 gathers them 4-bit; the forward dequantizes one weight at a time. No TP (refused).
+
 Sharding follows the base layer (torchtitan's LoRA): under tensor parallelism a column-parallel base (q, k, v, gate,
 up) keeps lora_A whole and splits lora_B's rows; a row-parallel base (o, down) splits lora_A's columns and keeps
 lora_B whole. FSDP2 shards dim 0 of every adapter like any weight.
@@ -44,16 +49,18 @@ class LoraShape:
     rank: int
     targets: tuple[str, ...] = COLUMN_PARALLEL + ROW_PARALLEL  # the families' default: attention and MLP
     dropout: bool = False  # lora.dropout > 0: each adapter keeps a dropped-out copy of its input
+    quantize: bool = False  # lora.quantize='nf4': the adapted projections' base is 4-bit (QLoRA)
 
     def describe(self) -> str:
-        return f"LoRA rank {self.rank} on {', '.join(self.targets)}"
+        base = " (4-bit NF4 base)" if self.quantize else ""
+        return f"LoRA rank {self.rank} on {', '.join(self.targets)}{base}"
 
 
-def lora_shape(rank: int, targets: list[str] | None = None, dropout: float = 0.0) -> LoraShape:
+def lora_shape(rank: int, targets: list[str] | None = None, dropout: float = 0.0, quantize: str = "none") -> LoraShape:
     """The planner's LoraShape of lora.rank / lora.targets (None: the families' default projections) /
-    lora.dropout; ValueError naming lora.targets for a module the planner cannot place."""
+    lora.dropout / lora.quantize; ValueError naming lora.targets for a module the planner cannot place."""
     if targets is None:
-        return LoraShape(rank, dropout=dropout > 0)
+        return LoraShape(rank, dropout=dropout > 0, quantize=quantize == "nf4")
     names = []
     for t in targets:
         name = PLAN_NAME.get(t.rsplit(".", 1)[-1], t)
@@ -63,7 +70,7 @@ def lora_shape(rank: int, targets: list[str] | None = None, dropout: float = 0.0
             )
         if name not in names:
             names.append(name)
-    return LoraShape(rank, tuple(names), dropout > 0)
+    return LoraShape(rank, tuple(names), dropout > 0, quantize == "nf4")
 
 
 def adapter_shapes(args: DecoderShape, lora: LoraShape) -> list[tuple[str, str, tuple[int, int]]]:
@@ -77,6 +84,28 @@ def adapter_shapes(args: DecoderShape, lora: LoraShape) -> list[tuple[str, str, 
         out.append((name, "lora_A", (lora.rank, cols)))
         out.append((name, "lora_B", (rows, lora.rank)))
     return out
+
+
+def nf4_bytes(numel: float, elem_bytes: float = 4.0) -> float:
+    """Bytes of one NF4 tensor of `numel` weights over a base of `elem_bytes` (torchao's NF4Tensor: 4-bit codes,
+    an int8 scale per 64 codes, a scale per 256 scales, the scales' mean and the 16-value table)."""
+    return numel / 2 + numel / 64 + (numel / 16384 + 17) * elem_bytes
+
+
+def layer_quantized(args: DecoderShape, lora: LoraShape, dp_shard: int = 1) -> tuple[int, float, int]:
+    """(elements, bytes, largest whole weight's elements) of one block's 4-bit base weights on the largest rank
+    after FSDP2 dim-0 sharding; zeros without lora.quantize."""
+    if not lora.quantize:
+        return 0, 0.0, 0
+    linears = dict(layer_param_shapes(args))
+    numel, size, largest = 0, 0.0, 0
+    for name in lora.targets:
+        if name not in linears:
+            continue
+        rows, cols = linears[name]
+        local = _shard_rows(rows, dp_shard) * cols
+        numel, size, largest = numel + local, size + nf4_bytes(local), max(largest, rows * cols)
+    return numel, size, largest
 
 
 def layer_adapter_params(args: DecoderShape, lora: LoraShape, tp: int = 1, dp_shard: int = 1) -> tuple[int, int]:

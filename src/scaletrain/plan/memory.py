@@ -20,7 +20,7 @@ from scaletrain.config.precisions import PRECISIONS
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.models.spec import LOSS_CHUNK_TOKENS, DecoderShape
 from scaletrain.plan.layout import LayoutGrid, Workload
-from scaletrain.plan.lora import LoraShape, adapter_activation_bytes_per_token, layer_adapter_params
+from scaletrain.plan.lora import LoraShape, adapter_activation_bytes_per_token, layer_adapter_params, layer_quantized
 from scaletrain.plan.pipeline import activations_in_flight, schedule_column, v_shaped
 from scaletrain.models.stages import rank_layers
 from scaletrain.plan.shapes import layout_columns, rank_params, stage_balance
@@ -261,8 +261,9 @@ def trainer_model_state_bytes(
         layers = rank_layers(args, seq_len or args.max_seq_len, pp, v, v_shaped, stage_balance(args))[rank][0]
         adapters, adapter_tensors = (layers * n for n in layer_adapter_params(args, lora, tp, dp_shard))
         whole = layers * layer_adapter_params(args, lora, tp, 1)[0]
+        q_numel, q_bytes, _ = layer_quantized(args, lora, dp_shard)  # QLoRA: 4-bit instead of fp32
         return {
-            "parameters": 4.0 * (numel + adapters),
+            "parameters": 4.0 * (numel + adapters) - layers * (4.0 * q_numel - q_bytes),
             "gradients": 4.0 * (whole if unsharded else adapters),
             "optimizer states": 8.0 * adapters + 4.0 * adapter_tensors,
         }
@@ -296,7 +297,10 @@ def memory_breakdown(
     # what is trained: every weight, or with LoRA the adapters alone (the frozen base has weights only)
     trained = _trained_columns(work, grid, cols)
     weights = cols["n_local"] + (trained["n_local"] if work.lora is not None else 0.0)
-    lines["parameters"] = np.where(offloaded, 0.0, 4.0 * weights)
+    # QLoRA: the adapted projections' base in NF4 instead of fp32 (plan/lora.py nf4_bytes); whole per block and
+    # the largest weight, for what is gathered and the one weight dequantized at a time
+    q = _quantized_columns(work, grid, cols)
+    lines["parameters"] = np.where(offloaded, 0.0, 4.0 * weights - (4.0 * q["n_local"] - q["bytes"]))
     # unsharded accumulation keeps FSDP2's whole gradients (reduce dtype fp32, on the device) until the last one
     lines["gradients"] = np.where(unsharded, 4.0 * trained["n_tp"], np.where(offloaded, 0.0, 4.0 * trained["n_local"]))
     lines["optimizer states"] = np.where(offloaded, 0.0, 8.0 * trained["n_local"] + 4.0 * trained["n_tensors"])
@@ -305,16 +309,26 @@ def memory_breakdown(
     # torch's pipeline stages skip resharding after backward: the whole stage stays gathered
     adapters_tp = trained["n_tp"] if work.lora is not None else 0.0
     adapter_layer_tp = trained["layer_tp"] if work.lora is not None else 0.0
-    gathered_fsdp = np.where(
-        grid.pp > 1,
-        e * (cols["n_tp"] + adapters_tp),
-        e * (2 * (cols["layer_tp"] + adapter_layer_tp) + cols["root_tp"])
-        + np.where(unsharded, 0.0, (e + 4) * trained["layer_tp"]),
+    # (QLoRA: a block's 4-bit base is gathered 4-bit, and one weight at a time is dequantized to the compute dtype)
+    q_gathered = e * q["layer"] - q["layer_bytes"]  # what 4-bit saves on one gathered block
+    gathered_fsdp = (
+        np.where(
+            grid.pp > 1,
+            e * (cols["n_tp"] + adapters_tp) - cols["layers"] * q_gathered,
+            e * (2 * (cols["layer_tp"] + adapter_layer_tp) + cols["root_tp"])
+            - 2 * q_gathered
+            + np.where(unsharded, 0.0, (e + 4) * trained["layer_tp"]),
+        )
+        + e * q["largest"]
     )
     # autocast's cached low-precision weights (DDP, one rank): every linear's, not the embedding's (autocast leaves
-    # embedding lookups in fp32), which a rank without pipeline stages holds
+    # embedding lookups in fp32), which a rank without pipeline stages holds; a 4-bit weight is not cached but
+    # dequantized when used, one at a time
     embedding = np.where(grid.pp == 1, float(args.vocab_size * args.dim) / grid.tp, 0.0)
-    autocast_copies = np.where(e < 4, e * (cols["n_tp"] + adapters_tp - embedding), 0.0)
+    cast = e * (cols["n_tp"] + adapters_tp - embedding - q["n_local"]) + np.where(
+        q["n_local"] > 0, e * q["largest"], 0.0
+    )
+    autocast_copies = np.where(e < 4, cast, 0.0)
     lines["gathered/cast weights"] = np.where(fsdp, gathered_fsdp, autocast_copies)
 
     tok = grid.micro_batch * work.seq_len / grid.cp
@@ -396,6 +410,30 @@ def _trained_columns(work: Workload, grid: LayoutGrid, cols: dict) -> dict[str, 
         "n_tensors": layers * per[:, 1],
         "n_tp": layers * per[:, 2],
         "layer_tp": per[:, 2],
+    }
+
+
+def _quantized_columns(work: Workload, grid: LayoutGrid, cols: dict) -> dict[str, np.ndarray]:
+    """QLoRA's 4-bit base per layout (plan/lora.py layer_quantized): n_local / bytes on the busiest rank (its
+    blocks, sharded by FSDP2), layer / layer_bytes of one whole block, largest: the largest whole weight; all zero
+    without lora.quantize."""
+    zero = np.zeros(len(grid))
+    if work.lora is None or not work.lora.quantize:
+        return {k: zero for k in ("n_local", "bytes", "layer", "layer_bytes", "largest")}
+    from scaletrain.plan.lora import layer_quantized
+
+    shard = np.asarray(grid.dp_shard * grid.cp, dtype=np.int64)
+    uniq, inverse = np.unique(shard, return_inverse=True)
+    local = np.array([layer_quantized(work.args, work.lora, int(d))[:2] for d in uniq], dtype=np.float64)
+    local = local[inverse.reshape(-1)]
+    numel, size, largest = layer_quantized(work.args, work.lora)
+    layers = cols["layers"]
+    return {
+        "n_local": layers * local[:, 0],
+        "bytes": layers * local[:, 1],
+        "layer": zero + numel,
+        "layer_bytes": zero + size,
+        "largest": zero + largest,
     }
 
 

@@ -123,7 +123,8 @@ def compare_dict(work: Workload, tokens: float, budgets: list[Budget]) -> dict:
 
 
 def _lora_dict(work) -> dict | None:
-    """--lora-rank / [lora] as planned: rank, adapted linears, adapter parameters of the model."""
+    """--lora-rank / [lora] as planned: rank, adapted linears, adapter parameters of the model, the base's storage
+    (quantize: 'nf4' for QLoRA's 4-bit base, else 'none')."""
     if work.lora is None:
         return None
     from scaletrain.plan.lora import adapter_params
@@ -132,4 +133,5 @@ def _lora_dict(work) -> dict | None:
         "rank": work.lora.rank,
         "targets": list(work.lora.targets),
         "adapter_params": adapter_params(work.args, work.lora),
+        "quantize": "nf4" if work.lora.quantize else "none",
     }

@@ -126,8 +126,8 @@ def divisors(n: int) -> list[int]:
 
 def _tp_options(work: Workload, world: int, opts: SearchOptions) -> list[int]:
     a = work.args
-    if work.lora is not None and (not LORA_UNDER_TP or work.lora.dropout):
-        return [1]  # the trainer refuses adapter dropout under tensor parallelism (resolve/job.py check_lora_job)
+    if work.lora is not None and (not LORA_UNDER_TP or work.lora.dropout or work.lora.quantize):
+        return [1]  # the trainer refuses adapter dropout and a 4-bit base under TP (resolve/job.py check_lora_job)
     return [
         t
         for t in divisors(world)
@@ -160,7 +160,8 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
                 for ds in divisors(dp):
                     # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound (LoRA's
                     # frozen base: its fp32 weights alone)
-                    per_param = 4.0 if work.lora is not None else 16.0
+                    # (a 4-bit base: half a byte a weight of its projections)
+                    per_param = 16.0 if work.lora is None else (0.5 if work.lora.quantize else 4.0)
                     if per_param * params_per_rank(args, t, p, ds * c, work.seq_len)[0] > capacity:
                         continue
                     base.append((dp // ds, ds, t, p, c))
