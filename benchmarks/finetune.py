@@ -6,7 +6,7 @@ assistant turns only).
 
 1. Packed against padded: trained tokens per second with `data.packing=document` (several conversations per row,
    attention within each) and `data.packing=pad` (one conversation per row), full fine-tuning.
-2. LoRA against full fine-tuning, packed: the median step time (the first logged step dropped as warm-up), trained
+2. LoRA and QLoRA (a 4-bit NF4 base) against full fine-tuning, packed: the median step time (the first logged step dropped as warm-up), trained
    tokens per second, the peak memory per rank the monitor records (GPU: max_memory_allocated; CPU: peak RSS, an
    upper bound with the interpreter's own ~0.3-0.5 GB in it), and the planner's model-state bytes per rank for the
    same layout (exact: tests/test_plan_lora.py checks them against the trainer's tensors).
@@ -250,7 +250,7 @@ def _trl(a, work: Path, src: Path, folder: Path, name: str) -> dict:
     return {"step_times": got["step_times"][1:], "losses": got["losses"]}
 
 
-def _model_states(a, vocab: int, lora_rank: int) -> float:
+def _model_states(a, vocab: int, lora_rank: int, quantize: str = "none") -> float:
     """The planner's model-state bytes per rank (parameters, gradients, AdamW states) of the run's layout."""
     from scaletrain.models.llama.args import LlamaArgs
     from scaletrain.plan.lora import lora_shape
@@ -265,7 +265,7 @@ def _model_states(a, vocab: int, lora_rank: int) -> float:
         vocab_size=vocab,
         max_seq_len=a.seq_len,
     )
-    lora = lora_shape(lora_rank) if lora_rank else None
+    lora = lora_shape(lora_rank, quantize=quantize) if lora_rank else None
     return sum(trainer_model_state_bytes(shape, dp_shard=a.nproc, seq_len=a.seq_len, lora=lora).values())
 
 
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> str:
         return ""
     lora_args = [f"lora.rank={a.lora_rank}", f"lora.alpha={2 * a.lora_rank}"]
     trl_skip = "left out (--no-trl)" if a.no_trl else _trl_missing()
-    runs: dict[str, list[dict]] = {"full": [], "lora": [], "padded": [], "hf": []}
+    runs: dict[str, list[dict]] = {"full": [], "lora": [], "qlora": [], "padded": [], "hf": []}
     trl_runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> str:
         for rep in range(a.reps):
             runs["full"] += _train(a, work, data, vocab, f"full{rep}", [])
             runs["lora"] += _train(a, work, data, vocab, f"lora{rep}", lora_args)
+            runs["qlora"] += _train(a, work, data, vocab, f"qlora{rep}", [*lora_args, "lora.quantize=nf4"])
             runs["padded"] += _train(a, work, data, vocab, f"padded{rep}", ["data.packing=pad"])
             if folder is not None:
                 hf = [f"model.hf={folder}", *_same_optim_args(a.nproc)]
@@ -372,26 +373,28 @@ def _packing_table(a, runs: dict[str, list[dict]], mean_tokens: float) -> list[s
 
 def _lora_table(a, runs: dict[str, list[dict]], vocab: int) -> list[str]:
     figures = {}
-    for variant in ("full", "lora"):
+    for variant in ("full", "lora", "qlora"):
         rows = runs[variant]
         peak = max(max(r["peak_mem_bytes_per_rank"]) for r in rows)
-        states = _model_states(a, vocab, a.lora_rank if variant == "lora" else 0)
+        rank = a.lora_rank if variant != "full" else 0
+        states = _model_states(a, vocab, rank, "nf4" if variant == "qlora" else "none")
         figures[variant] = (_median_step(rows), _trained_per_s(rows), peak, states)
     lines = [
-        f"LoRA against full: Llama dim {a.dim}, {a.layers} layers, vocab {vocab}; {a.nproc} rank(s), FSDP2; "
+        f"LoRA and QLoRA against full: Llama dim {a.dim}, {a.layers} layers, vocab {vocab}; {a.nproc} rank(s), FSDP2; "
         f"{a.steps} steps x {a.global_batch} x {a.seq_len} tokens, packed chat (data.packing=document); LoRA rank "
-        f"{a.lora_rank} on the attention and MLP projections; {a.reps} alternating reps",
+        f"{a.lora_rank} on the attention and MLP projections (QLoRA: their base in 4-bit NF4, lora.quantize=nf4); "
+        f"{a.reps} alternating reps",
         "",
         "| variant | median step (ms) | trained tokens/s | peak memory/rank (GB) | model states/rank (MB, planner) |",
         "|---|---:|---:|---:|---:|",
     ]
     for variant, (step, trained, peak, states) in figures.items():
         lines.append(f"| {variant} | {step * 1e3:.1f} | {trained:,.0f} | {peak / 1e9:.3f} | {states / 1e6:.1f} |")
-    full, lora = figures["full"], figures["lora"]
-    lines.append(
-        f"| lora / full | {lora[0] / full[0]:.3f} | {lora[1] / full[1]:.3f} | {lora[2] / full[2]:.3f} | "
-        f"{lora[3] / full[3]:.3f} |"
-    )
+    for num, den in (("lora", "full"), ("qlora", "full"), ("qlora", "lora")):
+        x, y = figures[num], figures[den]
+        lines.append(
+            f"| {num} / {den} | {x[0] / y[0]:.3f} | {x[1] / y[1]:.3f} | {x[2] / y[2]:.3f} | {x[3] / y[3]:.3f} |"
+        )
     return lines
 
 
