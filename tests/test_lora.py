@@ -466,3 +466,30 @@ def test_qlora_hf_family_from_its_folder_equal_on_every_layout(tmp_path):
     for layout in ("fsdp", "ddp"):
         got = runner_losses(tmp_path / layout)
         assert len(got) == len(ref) and all(abs(a - b) <= TOL for a, b in zip(ref, got)), (layout, got, ref)
+
+
+@pytest.mark.slow
+def test_qlora_resume_after_sigkill_bit_identical(qlora, tmp_path):
+    """A QLoRA run killed after its step-2 checkpoint resumes (the 4-bit base quantized again from the same weights)
+    to the very adapters of the unbroken run (the fixture's, trained by the same loop in one process)."""
+    from scaletrain.checkpoint.adapters import read_adapters
+
+    job = ["train", *FAST, f"train.steps={STEPS}", *QLORA, *QLORA_CKPT, "run.name=killed", "--nproc-per-node", "1"]
+    args = [sys.executable, "-m", "scaletrain.cli.main", *job]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as the runner's ranks: the same summation order
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+    )
+    ckpts = tmp_path / "runs" / "killed" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpts / "step_00000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "no step-2 checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (ckpts / f"step_{STEPS:08d}").exists()  # killed before its last step
+    run_cli(job, tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "resumed from" in (tmp_path / "runs" / "killed" / "logs" / "rank0.log").read_text()
+    got = read_adapters(ckpts / f"step_{STEPS:08d}")
+    want = read_adapters(qlora / "fit" / "qlora" / "checkpoints" / f"step_{STEPS:08d}")
+    assert got and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
