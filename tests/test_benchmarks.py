@@ -247,3 +247,22 @@ def test_gpu_check_dry_run_lists_every_figure_and_the_trainer_accepts_each_confi
     with pytest.raises(SystemExit) as exit_:
         mod.main(["--dry-run", "--steps", "3"])
     assert exit_.value.code == 2
+
+
+@pytest.mark.slow  # QLoRA itself is test_lora.py's
+def test_qlora_gpu_check_runs_its_cuda_path_on_the_cpu():
+    """benchmarks/qlora_gpu_check.py --device cpu: the parity half compares the CPU with itself (0 apart), and both
+    variants train; the 4-bit base is smaller than the fp32 one."""
+    import json
+
+    argv = ["--device", "cpu", "--dim", "256", "--layers", "1", "--seq", "64", "--rows", "2", "--steps", "1"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/qlora_gpu_check.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["loss_abs_diff"] == 0.0 and out["adapter_grad_max_abs_diff"] == 0.0
+    assert out["qlora"]["base_bytes"] < out["lora"]["base_bytes"] and out["qlora"]["tokens_per_s"] > 0
