@@ -82,9 +82,6 @@ def test_bad_models_and_folders_are_one_line(tmp_path, images):
         "one; use a diffusion model (model.diffusers = a diffusers folder, or a preset such as unet-tiny-diffusion)",
         "task.name=diffusion model.name=unet-tiny-diffusion model.prediction_type=noise": "model.prediction_type: "
         "give epsilon, v_prediction or sample (got 'noise')",
-        "task.name=diffusion model.name=dit-tiny-diffusion": "parallel.dp_shard: FSDP cannot shard a DiT's blocks "
-        "yet (its output layer reads the first block's embedding); set parallel.dp_shard=1 and "
-        "parallel.dp_replicate=<ranks> (DDP)",
         "task.name=diffusion model.name=unet-tiny-diffusion model.width=3": "model.width: the diffusion family's "
         "preset has no such field; it has attention_head_dim, beta_end, beta_schedule, beta_start, "
         "block_out_channels, down_block_types, in_channels, layers_per_block, norm_num_groups, num_train_timesteps, "
@@ -115,7 +112,8 @@ def test_bad_models_and_folders_are_one_line(tmp_path, images):
 @pytest.fixture(scope="module")
 def layouts(images, tmp_path_factory):
     """One process and, in one 2-rank launch, DDP (with accumulation) and FSDP2: 5 steps each of a class-
-    conditional UNet, and DDP of a DiT (FSDP is refused for it); the one-process launch also trains the UNet with the trainer's loop (loss
+    conditional UNet, and DDP and FSDP2 of a DiT (its first block's embedding, which the output layer calls again,
+    its own FSDP unit); the one-process launch also trains the UNet with the trainer's loop (loss
     falling, a checkpoint to export)."""
     from test_parallel_layouts import launch_runner
 
@@ -129,7 +127,8 @@ def layouts(images, tmp_path_factory):
     launch_runner(1, {"single": [*five, "parallel.dp_shard=1"], "dit_single": [*dit, "parallel.dp_shard=1"],
                       "fit": [*fit, "parallel.dp_shard=1"]}, out, fit=frozenset({"fit"}))  # fmt: skip
     launch_runner(2, {"ddp2_accumulate": [*five, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
-                      "fsdp2": [*five, "parallel.dp_shard=2"], "dit_ddp2": [*dit, "parallel.dp_replicate=2", "parallel.dp_shard=1"]},
+                      "fsdp2": [*five, "parallel.dp_shard=2"], "dit_ddp2": [*dit, "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+                      "dit_fsdp2": [*dit, "parallel.dp_shard=2"]},
                   out)  # fmt: skip
     return out
 
@@ -138,7 +137,9 @@ def layouts(images, tmp_path_factory):
 def test_ddp_and_fsdp_losses_equal_one_process(layouts):
     from test_vision import assert_layouts_equal_one_process
 
-    assert_layouts_equal_one_process(layouts, {"single": ("ddp2_accumulate", "fsdp2"), "dit_single": ("dit_ddp2",)})
+    assert_layouts_equal_one_process(
+        layouts, {"single": ("ddp2_accumulate", "fsdp2"), "dit_single": ("dit_ddp2", "dit_fsdp2")}
+    )
 
 
 @pytest.mark.slow  # shares the launches above

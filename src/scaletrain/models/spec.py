@@ -298,6 +298,12 @@ class ModelSpec(ABC):
         """Routed experts each token goes to (top-k); None for a dense model."""
         return None
 
+    def called_outside_their_block(self, model: nn.Module) -> list[nn.Module]:
+        """Modules of `model` (or a stage of it) that run outside the forward of the block holding them (diffusers'
+        DiT computes its output layer's conditioning with its first block's embedding): FSDP2 makes each its own
+        unit, gathered whenever it runs, instead of part of a block whose weights are sharded by then."""
+        return []
+
     def expert_modules(self, model: nn.Module) -> list[nn.Module]:
         """The MoE layers of `model` (or a stage of it) expert parallelism lays out (parallel/expert.py): each
         has `experts` (stacked weights, dim 0 the expert), whose tokens use_dispatcher routes."""

@@ -60,6 +60,13 @@ def apply_fsdp(
             norm, mesh=dp_mesh, mp_policy=norm_mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
         )
     done = {id(m) for m in norms}
+    # modules that also run outside their block (e.g. a DiT's first-block embedding): their own units, gathered
+    # whenever they run; nested in their block's unit, whose fully_shard then leaves their weights to them
+    for module in spec.called_outside_their_block(model) if spec is not None else []:
+        fully_shard(
+            module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, offload_policy=offload
+        )
+        done.add(id(module))
     # experts first, over the ranks holding the same ones (parallel/expert.py)
     if experts_apart(layout) and spec is not None and spec.splits_experts:
         from scaletrain.parallel.expert import shard_experts

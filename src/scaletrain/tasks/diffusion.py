@@ -60,12 +60,6 @@ class Diffusion(Task):
                              f"(a learned variance is not trained here); set model.out_channels={channels}")  # fmt: skip
         if not getattr(spec, "image_size", 0):
             raise ValueError("model.sample_size: the model's config gives no image size; set model.sample_size")
-        if getattr(spec, "model_name", "") == "DiTTransformer2DModel" and cfg.parallel.dp_shard != 1:
-            # diffusers' DiT computes its output layer's conditioning with its first block's embedding, outside
-            # that block's forward, where FSDP2 holds the block's weights sharded
-            raise ValueError("parallel.dp_shard: FSDP cannot shard a DiT's blocks yet (its output layer reads the "
-                             "first block's embedding); set parallel.dp_shard=1 and parallel.dp_replicate=<ranks> "
-                             "(DDP)")  # fmt: skip
         self.refuse_degrees(cfg, "pp", "cp")
         self.require_prepared(cfg, "image", "images")
 

@@ -221,6 +221,14 @@ class DiffusionSpec(ModelSpec):
                 buffer.copy_(buffers[plain_param_name(name)])
 
     # -- structure ------------------------------------------------------------------------------------------
+    def called_outside_their_block(self, model: nn.Module) -> list[nn.Module]:
+        """A DiT's output layer takes its conditioning from the first block's timestep/class embedding
+        (transformer_blocks[0].norm1.emb, called again after the last block)."""
+        if self.args.model_class != "DiTTransformer2DModel":
+            return []
+        first = cast(Any, model).transformer_blocks[0]
+        return [first.norm1.emb]
+
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         return cast("nn.ModuleDict", model.get_submodule(BLOCKS[self.args.model_class]))
 
