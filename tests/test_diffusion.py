@@ -112,8 +112,8 @@ def test_bad_models_and_folders_are_one_line(tmp_path, images):
 @pytest.fixture(scope="module")
 def layouts(images, tmp_path_factory):
     """One process and, in one 2-rank launch, DDP (with accumulation) and FSDP2: 5 steps each of a class-
-    conditional UNet, and DDP and FSDP2 of a DiT (its first block's embedding, which the output layer calls again,
-    its own FSDP unit); the one-process launch also trains the UNet with the trainer's loop (loss
+    conditional UNet, and DDP, FSDP2 and TP 2 of a DiT (its first block's embedding, which the output layer calls
+    again, its own FSDP unit; its heads and MLP split by TP); the one-process launch also trains the UNet with the trainer's loop (loss
     falling, a checkpoint to export)."""
     from test_parallel_layouts import launch_runner
 
@@ -128,7 +128,7 @@ def layouts(images, tmp_path_factory):
                       "fit": [*fit, "parallel.dp_shard=1"]}, out, fit=frozenset({"fit"}))  # fmt: skip
     launch_runner(2, {"ddp2_accumulate": [*five, "parallel.dp_replicate=2", "train.micro_batch_size=2"],
                       "fsdp2": [*five, "parallel.dp_shard=2"], "dit_ddp2": [*dit, "parallel.dp_replicate=2", "parallel.dp_shard=1"],
-                      "dit_fsdp2": [*dit, "parallel.dp_shard=2"]},
+                      "dit_fsdp2": [*dit, "parallel.dp_shard=2"], "dit_tp2": [*dit, "parallel.tp=2", "parallel.dp_shard=1"]},
                   out)  # fmt: skip
     return out
 
@@ -138,7 +138,7 @@ def test_ddp_and_fsdp_losses_equal_one_process(layouts):
     from test_vision import assert_layouts_equal_one_process
 
     assert_layouts_equal_one_process(
-        layouts, {"single": ("ddp2_accumulate", "fsdp2"), "dit_single": ("dit_ddp2", "dit_fsdp2")}
+        layouts, {"single": ("ddp2_accumulate", "fsdp2"), "dit_single": ("dit_ddp2", "dit_fsdp2", "dit_tp2")}
     )
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from scaletrain.config.errors import FieldError
 from scaletrain.models.diffusion.args import MODEL_FOLDERS, SCHEDULER_DEFAULTS, DiffusionArgs
-from scaletrain.models.spec import FolderExport, ModelSpec
+from scaletrain.models.spec import CONFIG_TP_WORDS, FolderExport, ModelSpec, TPWords, check_tp_divides
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +218,9 @@ class DiffusionSpec(ModelSpec):
         buffers = dict(reference.named_buffers())
         with torch.no_grad():
             for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[plain_param_name(name)])
+                whole = buffers[plain_param_name(name)]
+                local = buffer.to_local() if hasattr(buffer, "to_local") else buffer  # TP: a replicated DTensor
+                local.copy_(whole)
 
     # -- structure ------------------------------------------------------------------------------------------
     def called_outside_their_block(self, model: nn.Module) -> list[nn.Module]:
@@ -228,6 +230,42 @@ class DiffusionSpec(ModelSpec):
             return []
         first = cast(Any, model).transformer_blocks[0]
         return [first.norm1.emb]
+
+    # -- tensor parallelism ---------------------------------------------------------------------------------
+    def check_tp(self, tp: int, words: TPWords = CONFIG_TP_WORDS) -> None:
+        """A DiT splits its attention heads and MLP over tp ranks (Megatron's column-then-row pairs); a UNet
+        (convolutions) has no plan."""
+        if self.args.model_class != "DiTTransformer2DModel":
+            super().check_tp(tp, words)
+        config = cast(Any, self.meta_model).config
+        words = words if words.config is not None else replace(words, config="model.")
+        check_tp_divides(tp, words, num_attention_heads=int(config.num_attention_heads))
+
+    def tp_plan(self, model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict:
+        """Per DiT block: to_q/to_k/to_v and the MLP's first projection column-wise (each rank a share of the heads
+        and of the MLP), to_out and the MLP's second row-wise (outputs summed over the ranks); every other module
+        with weights (patch embedding, the adaLN-Zero conditioning, the output layers) replicated. diffusers'
+        attention reshapes by its `heads` attribute, which becomes this rank's share of the heads."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        from scaletrain.models.vision.tp import Replicated
+
+        if sequence_parallel:
+            raise ValueError("parallel.sequence_parallel: not built for diffusion models; set it false")
+        if self.args.model_class != "DiTTransformer2DModel":
+            return super().tp_plan(model, sequence_parallel, loss_parallel)
+        plan: dict = {"pos_embed": Replicated(), "proj_out_1": Replicated(), "proj_out_2": Replicated()}
+        for key, block in enumerate(cast(Any, model).transformer_blocks):
+            p = f"transformer_blocks.{key}."
+            for part in ("norm1.emb.timestep_embedder", "norm1.emb.class_embedder", "norm1.linear"):
+                plan[p + part] = Replicated()
+            for linear in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"):
+                plan[p + linear] = ColwiseParallel()
+            for linear in ("attn1.to_out.0", "ff.net.2"):
+                plan[p + linear] = RowwiseParallel()
+            head_dim = block.attn1.to_q.out_features // block.attn1.heads
+            block.attn1.register_forward_pre_hook(partial(_local_heads, head_dim=head_dim))
+        return plan
 
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         return cast("nn.ModuleDict", model.get_submodule(BLOCKS[self.args.model_class]))
@@ -329,3 +367,11 @@ class DiffusersFolder(FolderExport):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
         return list(files)
+
+
+def _local_heads(attention: nn.Module, args: tuple, head_dim: int) -> None:
+    """Forward pre-hook of a TP-split diffusers Attention: its `heads` (by which it reshapes q, k and v) becomes
+    the heads of this rank's column share of to_q."""
+    weight = cast(Any, attention).to_q.weight
+    rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+    cast(Any, attention).heads = rows // head_dim
