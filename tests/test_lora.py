@@ -493,3 +493,21 @@ def test_qlora_resume_after_sigkill_bit_identical(qlora, tmp_path):
     got = read_adapters(ckpts / f"step_{STEPS:08d}")
     want = read_adapters(qlora / "fit" / "qlora" / "checkpoints" / f"step_{STEPS:08d}")
     assert got and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_generate_on_a_lora_and_a_qlora_run_uses_the_merged_model(clean_run, qlora, tmp_path):
+    """`scaletrain generate RUN` (and eval, lm-eval: the same weights) on an adapter checkpoint runs the model the
+    adapters trained: the base rebuilt from the run (4-bit values for QLoRA) with the adapters merged in."""
+    from scaletrain.checkpoint.adapters import merged_state
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    for run, overrides in ((clean_run[1], [*FAST, *LORA]), (qlora / "fit" / "qlora", [*FAST, *QLORA])):
+        proc = run_cli_in_process(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "4"], tmp_path)
+        assert proc.stdout.strip() or proc.stdout.count("\n") >= 1  # a completion (this tiny model's: any bytes)
+        ckpt = max((run / "checkpoints").glob("step_*"))
+        weights, spec = load_full_model_state(ckpt)
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        want = merged_state(ckpt, spec, manifest["lora"])
+        assert weights.keys() == want.keys() and all(torch.equal(weights[k], want[k]) for k in want)
+        plain = resolve_job(load_config(None, overrides), 1).spec
+        assert set(weights) == {plain_param_name(n) for n in plain.build("meta").state_dict()}

@@ -98,15 +98,10 @@ def base_state(spec: ModelSpec, lora: dict) -> dict[str, torch.Tensor]:
     return {plain_param_name(k): v.detach() for k, v in model.state_dict().items()}
 
 
-def export_merged(ckpt: Path, out: Path, spec: ModelSpec, lora: dict) -> list[Path]:
-    """A transformers folder of the base with every adapter merged in: W + (alpha / rank) * B @ A, W being the
-    4-bit base's values for a QLoRA run (what its adapters were trained against; `--format peft` puts them on any
-    base)."""
-    from safetensors.torch import save_file
-
-    hf = spec.hf
-    if hf is None:
-        raise ValueError(f"--format hf: the {spec.family} model family has no Hugging Face counterpart")
+def merged_state(ckpt: Path, spec: ModelSpec, lora: dict) -> dict[str, torch.Tensor]:
+    """The model a LoRA checkpoint trained, as plain weights in scaletrain's names: the base with every adapter
+    merged in, W + (alpha / rank) * B @ A, W being the 4-bit base's values for a QLoRA run (what its adapters were
+    trained against)."""
     state = base_state(spec, lora)
     scale = lora["alpha"] / lora["rank"]
     adapters = read_adapters(ckpt)
@@ -120,6 +115,18 @@ def export_merged(ckpt: Path, out: Path, spec: ModelSpec, lora: dict) -> list[Pa
             if lora.get("quantize", "none") == "nf4":  # QLoRA: the 4-bit base the adapters were trained against
                 base = nf4_round_trip(base)
             state[base_name] = base + scale * (b.float() @ a.float())
+    return state
+
+
+def export_merged(ckpt: Path, out: Path, spec: ModelSpec, lora: dict) -> list[Path]:
+    """A transformers folder of merged_state (`--format peft` instead puts the adapters on any copy of the
+    base)."""
+    from safetensors.torch import save_file
+
+    hf = spec.hf
+    if hf is None:
+        raise ValueError(f"--format hf: the {spec.family} model family has no Hugging Face counterpart")
+    state = merged_state(ckpt, spec, lora)
     out.mkdir(parents=True, exist_ok=True)
     converted = {k: v.contiguous() for k, v in hf.to_hf(state).items()}
     save_file(converted, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -130,4 +137,4 @@ def lora_of(manifest: dict) -> dict | None:
     return manifest.get("lora")
 
 
-__all__ = ["ADAPTER", "check_base", "export_merged", "export_peft", "lora_of", "read_adapters"]
+__all__ = ["ADAPTER", "check_base", "export_merged", "export_peft", "lora_of", "merged_state", "read_adapters"]

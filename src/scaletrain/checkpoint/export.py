@@ -121,11 +121,19 @@ def _committed_manifest(ckpt: Path) -> dict:
 
 def load_full_model_state(ckpt: Path) -> tuple[dict[str, torch.Tensor], ModelSpec | None]:
     """The consolidated model weights of a committed checkpoint, read in this one process (no process group), and
-    the model spec it recorded (None for a model saved by `scaletrain.setup()` without one)."""
+    the model spec it recorded (None for a model saved by `scaletrain.setup()` without one). A LoRA checkpoint's
+    weights are its base with the adapters merged in (checkpoint/adapters.py merged_state)."""
     from scaletrain.checkpoint.safe_load import load_dcp
 
     manifest = _committed_manifest(ckpt)
     spec: ModelSpec | None = None
+    if manifest.get("lora") and ("model_spec" in manifest or "model_args" in manifest):
+        # adapters on a frozen base: the model they trained, merged (the 4-bit base's values for QLoRA)
+        from scaletrain.checkpoint.adapters import check_base, merged_state
+
+        spec = manifest_spec(manifest)
+        check_base(manifest["lora"], spec)
+        return merged_state(ckpt, spec, manifest["lora"]), spec
     if "model_spec" in manifest or "model_args" in manifest:
         spec = manifest_spec(manifest)
         model = spec.build("meta")
