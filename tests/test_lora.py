@@ -116,9 +116,13 @@ def test_bad_lora_input_is_one_line(override, message):
 
 
 def test_bad_lora_exits_2_before_launch(tmp_path):
-    proc = run_cli(["train", *FAST, *LORA, "lora.targets=['nothing_here']"], tmp_path, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "lora.targets" in proc.stderr and not (tmp_path / "runs").exists()
+    """One line on stderr and nothing else (peft and torchao's import noise kept off it), exit 2, nothing written."""
+    for bad in ("lora.targets=['nothing_here']", "lora.quantize=nf4"):
+        proc = run_cli(["train", *FAST, *LORA, bad], tmp_path, check=False)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        line = proc.stderr.strip()
+        assert line.startswith(f"scaletrain: error: {bad.split('=')[0]}:") and "\n" not in line, line
+        assert not (tmp_path / "runs").exists()
 
 
 # -- every layout equals one process --------------------------------------------------------------------------------

@@ -85,7 +85,10 @@ def check_lora(cfg: LoraConfig, spec: ModelSpec) -> None:
 def add_lora(model: nn.Module, cfg: LoraConfig, spec: ModelSpec) -> nn.Module:
     """`model` (on meta) with peft's LoRA layers on the targets, every other weight frozen, the adapted layers' base
     weights NF4 with lora.quantize='nf4'; returns it."""
-    from peft import inject_adapter_in_model
+    from scaletrain.models.library_noise import quiet_imports
+
+    with quiet_imports():  # peft imports torchao where it is installed (models/library_noise.py)
+        from peft import inject_adapter_in_model
 
     targets = lora_targets(cfg, spec)
     model = inject_adapter_in_model(_peft_config(cfg, targets), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
@@ -93,7 +96,9 @@ def add_lora(model: nn.Module, cfg: LoraConfig, spec: ModelSpec) -> nn.Module:
         p.requires_grad_(is_adapter_name(plain_param_name(name)))
     if cfg.quantize == "nf4":
         from torch import nn as _nn
-        from torchao.quantization import to_nf4
+
+        with quiet_imports():
+            from torchao.quantization import to_nf4
 
         for _, base in _adapted_bases(model):
             w = base.weight
