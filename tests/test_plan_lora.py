@@ -257,3 +257,12 @@ def test_plan_lora_quantize_shrinks_the_base_and_keeps_tp_out(tmp_path):
         assert four_bit["optimizer states"] == fp32["optimizer states"]
     bad = run_cli_in_process([*args[:-1], "--lora-quantize", "nf4"], tmp_path, check=False)
     assert bad.returncode == 2 and "--lora-quantize: a 4-bit base is LoRA's (QLoRA)" in bad.stderr
+
+
+def test_plan_lora_quantize_places_only_whole_nf4_shards(tmp_path):
+    """A 4-bit base splits into FSDP2 shards of whole NF4 blocks only (the trainer refuses others): a 256-wide model's
+    256 x 256 projections (4 x 16384 weights) shard at most 4 ways, so 8 GPUs plan HSDP or DDP, never FSDP 8."""
+    args = ["plan", "model.name=tiny", *QLORA_DIMS, "lora.rank=4", "lora.quantize=nf4", "--gpus", "8", "--json"]
+    out = json.loads(run_cli_in_process(args, tmp_path).stdout)
+    shards = {r["layout"]["dp_shard"] * r["layout"]["cp"] for r in out["layouts"]}
+    assert shards and max(shards) == 4 and shards <= {1, 2, 4}

@@ -92,6 +92,22 @@ def nf4_bytes(numel: float, elem_bytes: float = 4.0) -> float:
     return numel / 2 + numel / 64 + (numel / 16384 + 17) * elem_bytes
 
 
+def nf4_shards_whole(args: DecoderShape, lora: LoraShape, shards: int) -> bool:
+    """Whether each adapted projection's rows split evenly into `shards` FSDP2 shards of whole NF4 blocks (the
+    trainer's check, models/lora.py check_quantize); always true without lora.quantize."""
+    if not lora.quantize:
+        return True
+    from scaletrain.models.lora import NF4_GRANULE
+
+    linears = dict(layer_param_shapes(args))
+    for name in lora.targets:
+        if name in linears:
+            rows, cols = linears[name]
+            if rows % shards or (rows // shards) * cols % NF4_GRANULE:
+                return False
+    return True
+
+
 def layer_quantized(args: DecoderShape, lora: LoraShape, dp_shard: int = 1) -> tuple[int, float, int]:
     """(elements, bytes, largest whole weight's elements) of one block's 4-bit base weights on the largest rank
     after FSDP2 dim-0 sharding; zeros without lora.quantize."""

@@ -19,6 +19,7 @@ from scaletrain.config.schedules import SCHEDULE_NAMES, pipeline_schedule
 from scaletrain.config.layout import AC_MODES, Layout
 from scaletrain.plan.layout import LayoutGrid, Workload
 from scaletrain.plan.memory import DEFAULT_MEMORY_OPTIONS, MEMORY_LINES, MemoryOptions, memory_breakdown, total_bytes
+from scaletrain.plan.lora import nf4_shards_whole
 from scaletrain.plan.pin import Pins
 from scaletrain.plan.pipeline import NO_PIPELINE, schedule_code, schedule_column
 from scaletrain.plan.shapes import layout_columns, params_per_rank
@@ -158,9 +159,10 @@ def enumerate_layouts(work: Workload, cluster: Cluster, opts: SearchOptions) -> 
                 if gb % dp:
                     continue
                 for ds in divisors(dp):
+                    if work.lora is not None and not nf4_shards_whole(args, work.lora, ds * c):
+                        continue  # the trainer refuses a 4-bit base whose shards are not whole NF4 blocks
                     # fp32 weights + grads + AdamW states: 16 bytes per local parameter, a lower bound (LoRA's
-                    # frozen base: its fp32 weights alone)
-                    # (a 4-bit base: half a byte a weight of its projections)
+                    # frozen base: its fp32 weights alone; a 4-bit base: half a byte a weight of its projections)
                     per_param = 16.0 if work.lora is None else (0.5 if work.lora.quantize else 4.0)
                     if per_param * params_per_rank(args, t, p, ds * c, work.seq_len)[0] > capacity:
                         continue
