@@ -203,6 +203,11 @@ def nf4_round_trip(weight):
     return to_nf4(weight.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK).get_original_weight()
 
 
+def whole_nf4_shards(rows: int, cols: int, shards: int) -> bool:
+    """Whether a rows x cols weight splits into `shards` FSDP2 row shards each made of whole NF4 blocks."""
+    return rows % shards == 0 and (rows // shards) * cols % NF4_GRANULE == 0
+
+
 def check_quantize(cfg: LoraConfig, spec: ModelSpec, shards: int) -> None:
     """ValueError (one line) when the 4-bit base cannot be built: torchao missing, or an adapted weight (each of
     `shards` FSDP row shards of it) not made of whole NF4 blocks."""
@@ -214,7 +219,7 @@ def check_quantize(cfg: LoraConfig, spec: ModelSpec, shards: int) -> None:
     model = add_lora(spec.build("meta"), cfg.model_copy(update={"quantize": "none"}), spec)
     for name, base in _adapted_bases(model):
         rows, cols = base.weight.shape
-        if rows % shards or (rows // shards) * cols % NF4_GRANULE:
+        if not whole_nf4_shards(rows, cols, shards):
             per = f"{rows // shards}x{cols} rows per shard" if shards > 1 else f"{rows}x{cols}"
             raise ValueError(
                 f"lora.quantize: {name} ({per}) is not made of whole NF4 blocks ({NF4_BLOCK} weights x "

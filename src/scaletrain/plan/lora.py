@@ -97,15 +97,11 @@ def nf4_shards_whole(args: DecoderShape, lora: LoraShape, shards: int) -> bool:
     trainer's check, models/lora.py check_quantize); always true without lora.quantize."""
     if not lora.quantize:
         return True
-    from scaletrain.models.lora import NF4_GRANULE
+    from scaletrain.models.lora import whole_nf4_shards
 
     linears = dict(layer_param_shapes(args))
-    for name in lora.targets:
-        if name in linears:
-            rows, cols = linears[name]
-            if rows % shards or (rows // shards) * cols % NF4_GRANULE:
-                return False
-    return True
+    shapes = [linears[name] for name in lora.targets if name in linears]
+    return all(whole_nf4_shards(rows, cols, shards) for rows, cols in shapes)
 
 
 def layer_quantized(args: DecoderShape, lora: LoraShape, dp_shard: int = 1) -> tuple[int, float, int]:
