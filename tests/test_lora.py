@@ -212,24 +212,35 @@ def test_checkpoint_holds_adapters_and_names_its_base(clean_run):
     assert manifest["bytes"] < 4 * spec.num_params()  # less than the fp32 base alone: the base is not in it
 
 
+def _kill_at_then_resume(job: list[str], cwd: Path, step: int, env: dict | None = None) -> Path:
+    """`scaletrain` JOB (run.name=killed) SIGKILLed once its step-`step` checkpoint is committed, then the same
+    command again, which resumes; returns the run's checkpoints folder."""
+    args = [sys.executable, "-m", "scaletrain.cli.main", *job]
+    # its own session: the SIGKILL takes the launcher and its rank at once, as a lost node would
+    proc = subprocess.Popen(
+        args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    ckpts = cwd / "runs" / "killed" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (ckpts / f"step_{step:08d}").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no step-{step} checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finals = sorted(ckpts.glob("step_*"))
+    run_cli(job, cwd, env=env)
+    assert "resumed from" in (cwd / "runs" / "killed" / "logs" / "rank0.log").read_text()
+    assert finals[-1].name != sorted(ckpts.glob("step_*"))[-1].name  # killed before its last step
+    return ckpts
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_bit_identical(clean_run):
     from scaletrain.checkpoint.adapters import read_adapters
 
     cwd, ref = clean_run
-    args = [sys.executable, "-m", "scaletrain.cli.main", "train", *FAST, "run.name=killed", *CKPT]
-    # its own session: the SIGKILL takes the launcher and its rank at once, as a lost node would
-    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    ckpts = cwd / "runs" / "killed" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (ckpts / "step_00000004").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, "no step-4 checkpoint"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not _final(cwd / "runs" / "killed").exists()  # killed before its last step
-    run_cli(["train", *FAST, "run.name=killed", *CKPT], cwd)
-    assert "resumed from" in (cwd / "runs" / "killed" / "logs" / "rank0.log").read_text()
+    _kill_at_then_resume(["train", *FAST, "run.name=killed", *CKPT], cwd, 4)
     got, want = read_adapters(_final(cwd / "runs" / "killed")), read_adapters(_final(ref))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -479,21 +490,8 @@ def test_qlora_resume_after_sigkill_bit_identical(qlora, tmp_path):
     from scaletrain.checkpoint.adapters import read_adapters
 
     job = ["train", *FAST, f"train.steps={STEPS}", *QLORA, *QLORA_CKPT, "run.name=killed", "--nproc-per-node", "1"]
-    args = [sys.executable, "-m", "scaletrain.cli.main", *job]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread, as the runner's ranks: the same summation order
-    proc = subprocess.Popen(
-        args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
-    )
-    ckpts = tmp_path / "runs" / "killed" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (ckpts / "step_00000002").is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, "no step-2 checkpoint"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (ckpts / f"step_{STEPS:08d}").exists()  # killed before its last step
-    run_cli(job, tmp_path, env={"OMP_NUM_THREADS": "1"})
-    assert "resumed from" in (tmp_path / "runs" / "killed" / "logs" / "rank0.log").read_text()
+    # one thread, as the runner's ranks: the same summation order
+    ckpts = _kill_at_then_resume(job, tmp_path, 2, env={"OMP_NUM_THREADS": "1"})
     got = read_adapters(ckpts / f"step_{STEPS:08d}")
     want = read_adapters(qlora / "fit" / "qlora" / "checkpoints" / f"step_{STEPS:08d}")
     assert got and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -108,16 +108,15 @@ def measured() -> list[dict]:
     return [r for _ in range(2) for r in q.get()]
 
 
-def test_one_process_lora_trainer_keeps_what_the_planner_predicts(tmp_path):
-    """The trainer itself (Trainer.build, one process): its parameters, the gradients after a step's backward and
-    the AdamW states after the step, in bytes, as trainer_model_state_bytes predicts them with LoRA."""
+def _one_step_bytes(overrides: list[str]):
+    """(trainer, model-state bytes it keeps) for one process: its parameters as stored (an NF4 base's own parts),
+    the gradients after a step's backward and the AdamW states after the step."""
     from scaletrain.config import load_config
     from scaletrain.parallel.runtime import shutdown_distributed
     from scaletrain.train import Trainer
     from scaletrain.train.step import forward_backward, step_count
 
-    cfg = load_config(None, [*FAST, "lora.rank=4", "lora.targets=['wq','wv','w2']", f"run.output_dir={tmp_path}"])
-    trainer = Trainer.build(cfg)
+    trainer = Trainer.build(load_config(None, [*FAST, *overrides]))
     model, job = trainer.model.module, trainer.job
     try:
         mb = trainer.loader.next_step()
@@ -127,13 +126,19 @@ def test_one_process_lora_trainer_keeps_what_the_planner_predicts(tmp_path):
     finally:
         shutdown_distributed()  # Trainer.build's one-rank group
     states = sum(_local_bytes(v) for s in job.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    measured = {
-        "parameters": sum(_local_bytes(p) for p in model.parameters()),
+    return trainer, {
+        "parameters": sum(_stored_bytes(p) for p in model.parameters()),
         "gradients": gradients,
         "optimizer states": states,
     }
+
+
+def test_one_process_lora_trainer_keeps_what_the_planner_predicts(tmp_path):
+    """The trainer itself (Trainer.build, one process): its parameters, the gradients after a step's backward and
+    the AdamW states after the step, in bytes, as trainer_model_state_bytes predicts them with LoRA."""
+    trainer, measured = _one_step_bytes(["lora.rank=4", "lora.targets=['wq','wv','w2']", f"run.output_dir={tmp_path}"])
     lora = lora_shape(4, ["wq", "wv", "w2"])
-    assert measured == trainer_model_state_bytes(trainer.spec.shape(), seq_len=cfg.data.seq_len, lora=lora)
+    assert measured == trainer_model_state_bytes(trainer.spec.shape(), seq_len=trainer.cfg.data.seq_len, lora=lora)
 
 
 @pytest.mark.slow  # one 2-rank launch (~25 s); the one-process check above stays fast
@@ -210,28 +215,9 @@ def test_nf4_bytes_are_torchaos_of_each_fsdp_shard(shape, shards):
 def test_one_process_qlora_trainer_keeps_what_the_planner_predicts(tmp_path):
     """QLoRA (lora.quantize='nf4'): the trainer's parameters (the 4-bit base as stored), gradients and AdamW states
     in bytes, as trainer_model_state_bytes predicts them; the base about 7.8x smaller than fp32."""
-    from scaletrain.config import load_config
-    from scaletrain.parallel.runtime import shutdown_distributed
-    from scaletrain.train import Trainer
-    from scaletrain.train.step import forward_backward, step_count
-
     lora = ["lora.rank=4", "lora.targets=['wq','wv','w2']", "lora.quantize=nf4"]
-    cfg = load_config(None, [*FAST, *QLORA_DIMS, *lora, f"run.output_dir={tmp_path}"])
-    trainer = Trainer.build(cfg)
-    model, job = trainer.model.module, trainer.job
-    try:
-        mb = trainer.loader.next_step()
-        forward_backward(job, trainer.task, mb, trainer.layout.grad_average / step_count(job, trainer.task, mb))
-        gradients = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        job.step(skip_nonfinite=False)
-    finally:
-        shutdown_distributed()  # Trainer.build's one-rank group
-    states = sum(_local_bytes(v) for s in job.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-    measured = {
-        "parameters": sum(_stored_bytes(p) for p in model.parameters()),
-        "gradients": gradients,
-        "optimizer states": states,
-    }
+    trainer, measured = _one_step_bytes([*QLORA_DIMS, *lora, f"run.output_dir={tmp_path}"])
+    model, cfg = trainer.model.module, trainer.cfg
     shape = trainer.spec.shape()
     quantized = lora_shape(4, ["wq", "wv", "w2"], quantize="nf4")
     assert measured == trainer_model_state_bytes(shape, seq_len=cfg.data.seq_len, lora=quantized)
