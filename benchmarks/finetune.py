@@ -41,10 +41,14 @@ WORDS = [f"w{i}" for i in range(200)] + ["user", "assistant", "system"]
 FOOTER = (
     "Step times come from CPU cores shared with other jobs: read the ratios, not the seconds. On CPU ranks the "
     "monitor's peak memory is the process's peak RSS over its whole life, reached while the weights are filled by "
-    "name before sharding (the same for both variants) and holding the interpreter and torch, so it does not show "
-    "what LoRA saves during the steps; the planner's model-state bytes are the exact difference (fp32 weights of "
-    "the frozen base, gradients and AdamW states of the adapters only). On GPUs the monitor reports "
-    "max_memory_allocated."
+    "name before sharding (about the same for every variant) and holding the interpreter and torch, so it does not "
+    "show what LoRA saves during the steps; the planner's model-state bytes are the exact difference (fp32 weights "
+    "of the frozen base, or its 4-bit NF4 copy for QLoRA, gradients and AdamW states of the adapters only; tested "
+    "against the trainer's tensors). QLoRA's steps on a CPU pay for dequantizing each 4-bit weight in every "
+    "forward and backward. On GPUs the monitor reports max_memory_allocated. Against TRL: each trainer draws, "
+    "shuffles and packs its own batches from the same conversations (TRL's best-fit packing and sampler, "
+    "scaletrain's data.packing=document and loader), so the per-step losses are of different batches and the "
+    "curves are compared by their level, not step for step."
 )
 
 
