@@ -420,8 +420,6 @@ def _quantized_columns(work: Workload, grid: LayoutGrid, cols: dict) -> dict[str
     zero = np.zeros(len(grid))
     if work.lora is None or not work.lora.quantize:
         return {k: zero for k in ("n_local", "bytes", "layer", "layer_bytes", "largest")}
-    from scaletrain.plan.lora import layer_quantized
-
     shard = np.asarray(grid.dp_shard * grid.cp, dtype=np.int64)
     uniq, inverse = np.unique(shard, return_inverse=True)
     local = np.array([layer_quantized(work.args, work.lora, int(d))[:2] for d in uniq], dtype=np.float64)
