@@ -56,21 +56,15 @@ class PromptSampler:
         """[{prompt, answer}] on rank 0 (None elsewhere, or with no prompts); a collective on every rank."""
         if not self.prompts:
             return None
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         from scaletrain.inference.generate import GenerationOptions, causal_lm, generate
-        from scaletrain.models.lora import dequantized
-        from scaletrain.models.naming import plain_param_name
-        from scaletrain.parallel.float8 import plain_weights
+        from scaletrain.parallel.state import gathered_weights
 
-        whole = dist.is_initialized() and dist.get_world_size() > 1
-        options = StateDictOptions(full_state_dict=True, cpu_offload=whole)
-        # fp8's wrappers and a 4-bit base (QLoRA) as plain weights: the sample model is a plain transformers one
-        state = dequantized(plain_weights(get_model_state_dict(self.module, options=options)))
+        # one whole weight at a time, kept on rank 0 only, as plain tensors (fp8's wrappers and a 4-bit base made
+        # plain): the sample model is a plain transformers one
+        keep = self.rank == 0 and self.codec is not None
+        weights = {name: t.float() for name, t in gathered_weights(self.module, keep)}
         if self.rank != 0 or self.codec is None:
             return None
-        weights = {plain_param_name(k): v.detach().to("cpu", copy=True).float() for k, v in state.items()}
         try:
             model = causal_lm(weights, self.spec, self.device)
             chat = self.codec.template is not None

@@ -3,6 +3,7 @@ comparing layouts, exporting, or handing weights to code that knows nothing of m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,18 +18,26 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     parallelism this rank's stages. Sharded parameters (FSDP2, TP) are gathered over their mesh, so every rank of
     a stage must call this (a collective). Memory: the stage's full parameters. A 4-bit base weight is given
     dequantized, in its dtype."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    parts = list(model) if isinstance(model, PipelinedModel) else [model]
+    return {name: tensor for part in parts for name, tensor in gathered_weights(part, keep=True)}
+
+
+def gathered_weights(module: nn.Module, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(plain name, whole plain tensor on CPU) of each weight of `module`, one gathered at a time (a collective:
+    every rank of its mesh iterates to the end); with keep=False nothing is yielded on this rank (it only takes
+    part in the gathers). Each rank's shard is made plain before the gather: fp8's wrappers unwrapped, a 4-bit
+    base (QLoRA) dequantized, so only plain tensors cross the ranks (torchao's NF4 tensor is gathered by FSDP2's
+    own hooks, not by DTensor's redistribute; its clone() also quantizes again, lossily)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from scaletrain.models.lora import dequantized
+    from scaletrain.parallel.float8 import plain_weights
 
-    parts = list(model) if isinstance(model, PipelinedModel) else [model]
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        # a 4-bit base (QLoRA) as the values it computes with: torchao's NF4 clone quantizes again, lossily
-        state = dequantized(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
-        for name, value in state.items():
-            tensor: Any = value  # a DTensor (sharded by FSDP/TP) or a plain tensor
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            out[plain_param_name(name)] = tensor.detach().cpu().clone()
-    return out
+    state = dequantized(plain_weights(get_model_state_dict(module)))  # this rank's shards
+    for name, value in state.items():
+        tensor: Any = value  # a DTensor (sharded by FSDP/TP) or a plain tensor
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        if keep:
+            yield plain_param_name(name), tensor.detach().cpu().clone()
+        del tensor
