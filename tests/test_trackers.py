@@ -236,7 +236,14 @@ def test_sinks_in_one_process_and_a_fresh_run_starts_new_tracker_runs(tmp_path, 
     assert json.loads((out / "monitor" / "wandb.json").read_text())["run_id"] == first
     folders = wandb_folders(out, first)
     assert len(folders) == 2, folders
-    steps = {k: v for f in folders for k, v in wandb_history(next(f.glob("run-*.wandb"))).items()}
+    # W&B's service process writes an offline run's file after finish() returns (seen: a 7-byte file, its header
+    # only, read right after the second attempt's finish; complete moments later): wait for it, with a deadline
+    deadline = time.monotonic() + 60
+    while True:
+        steps = {k: v for f in folders for k, v in wandb_history(next(f.glob("run-*.wandb"))).items()}
+        if sorted(steps) == [1, 2, 3, 4] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert {s: row["loss"] for s, row in steps.items()} == pytest.approx({s: 1.0 / s for s in (1, 2, 3, 4)})
 
     attempt(0, 1)  # a fresh run in the same folder: the ids kept were cleared with the last run's outputs
