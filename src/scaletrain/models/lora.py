@@ -57,13 +57,14 @@ def _matches(module_name: str, targets: list[str]) -> bool:
     return any(module_name == t or module_name.endswith("." + t) for t in targets)
 
 
-def check_lora(cfg: LoraConfig, spec: ModelSpec) -> None:
+def check_lora(cfg: LoraConfig, spec: ModelSpec) -> list[tuple[str, tuple[int, int]]]:
     """ValueError (one line naming the field) when the targets match no linear of the model or the rank exceeds
-    a target's smaller dimension. Reads the model on meta: no memory, no time."""
+    a target's smaller dimension; else (path, (out, in) features) of each adapted linear (check_quantize reads
+    them). Reads the model on meta: no memory, no time."""
     from torch import nn
 
     if cfg.rank == 0:
-        return
+        return []
     targets = lora_targets(cfg, spec)
     model = spec.build("meta")
     found = [(n, m) for n, m in model.named_modules() if _matches(n, targets)]
@@ -80,6 +81,7 @@ def check_lora(cfg: LoraConfig, spec: ModelSpec) -> None:
             raise ValueError(
                 f"lora.rank: {cfg.rank} is larger than {name}'s smaller dimension {smallest}; use lora.rank <= {smallest}"
             )
+    return [(name, (module.out_features, module.in_features)) for name, module in found]
 
 
 def add_lora(model: nn.Module, cfg: LoraConfig, spec: ModelSpec) -> nn.Module:
@@ -123,6 +125,15 @@ def quantized_base_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if _is_nf4(p)]
 
 
+def _placed_like(local, like):
+    """`local` as a DTensor placed as the DTensor `like` (its mesh, placements, global shape and stride)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def fill_base(model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
     """Run `fill` (the family's init by name, or its HF folder's weights) on `model`; with a 4-bit base, each NF4
     weight is first swapped for a plain one of its shape and placement, then, once filled, quantized whole (an
@@ -141,10 +152,7 @@ def fill_base(model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
         new: torch.Tensor
         if isinstance(w, DTensor):
             local = w.to_local()
-            plain = torch.empty(local.shape, dtype=local.dtype, device=local.device)
-            new = DTensor.from_local(
-                plain, w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-            )
+            new = _placed_like(torch.empty(local.shape, dtype=local.dtype, device=local.device), w)
         else:
             new = torch.empty(w.shape, dtype=w.dtype, device=w.device)
         base.weight = _nn.Parameter(new, requires_grad=False)
@@ -159,9 +167,7 @@ def fill_base(model: nn.Module, fill: Callable[[nn.Module], None]) -> None:
             whole = w.full_tensor() if isinstance(w, DTensor) else w.detach()
             q = to_nf4(whole.contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
             if isinstance(w, DTensor):
-                q = DTensor.from_local(
-                    _rows_of_rank(q, w), w.device_mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride()
-                )
+                q = _placed_like(_rows_of_rank(q, w), w)
             base.weight = _nn.Parameter(q, requires_grad=False)
 
 
@@ -187,10 +193,7 @@ def dequantized(state: dict) -> dict:
         if not _is_nf4(value):
             continue
         if isinstance(value, DTensor):
-            plain = value.to_local().get_original_weight()  # type: ignore[attr-defined]
-            out[key] = DTensor.from_local(
-                plain, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-            )
+            out[key] = _placed_like(value.to_local().get_original_weight(), value)  # type: ignore[attr-defined]
         else:
             out[key] = value.get_original_weight()
     return out
@@ -208,17 +211,15 @@ def whole_nf4_shards(rows: int, cols: int, shards: int) -> bool:
     return rows % shards == 0 and (rows // shards) * cols % NF4_GRANULE == 0
 
 
-def check_quantize(cfg: LoraConfig, spec: ModelSpec, shards: int) -> None:
-    """ValueError (one line) when the 4-bit base cannot be built: torchao missing, or an adapted weight (each of
-    `shards` FSDP row shards of it) not made of whole NF4 blocks."""
+def check_quantize(cfg: LoraConfig, adapted: list[tuple[str, tuple[int, int]]], shards: int) -> None:
+    """ValueError (one line) when the 4-bit base cannot be built: torchao missing, or an adapted weight (`adapted`:
+    check_lora's (path, (rows, cols)); each of `shards` FSDP row shards of it) not made of whole NF4 blocks."""
     from scaletrain.config.extras import require
 
     if cfg.quantize == "none" or cfg.rank == 0:
         return
     require("torchao", "lora.quantize", extra="qlora")
-    model = add_lora(spec.build("meta"), cfg.model_copy(update={"quantize": "none"}), spec)
-    for name, base in _adapted_bases(model):
-        rows, cols = base.weight.shape
+    for name, (rows, cols) in adapted:
         if not whole_nf4_shards(rows, cols, shards):
             per = f"{rows // shards}x{cols} rows per shard" if shards > 1 else f"{rows}x{cols}"
             raise ValueError(

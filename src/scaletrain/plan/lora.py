@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scaletrain.models.lora import NF4_BLOCK, NF4_GRANULE, whole_nf4_shards
 from scaletrain.models.spec import DecoderShape
 from scaletrain.plan.shapes import _shard_rows, layer_param_shapes
 
@@ -73,14 +74,17 @@ def lora_shape(rank: int, targets: list[str] | None = None, dropout: float = 0.0
     return LoraShape(rank, tuple(names), dropout > 0, quantize == "nf4")
 
 
+def _adapted_linears(args: DecoderShape, lora: LoraShape) -> list[tuple[str, tuple[int, ...]]]:
+    """(planner name, (rows, cols)) of one block's adapted linears (a target the block lacks, the GPT block's gate,
+    left out)."""
+    linears = dict(layer_param_shapes(args))
+    return [(name, linears[name]) for name in lora.targets if name in linears]
+
+
 def adapter_shapes(args: DecoderShape, lora: LoraShape) -> list[tuple[str, str, tuple[int, int]]]:
     """(base linear, lora_A|lora_B, shape) of one block's adapters."""
-    linears = dict(layer_param_shapes(args))
     out = []
-    for name in lora.targets:
-        if name not in linears:  # the GPT block has no gate
-            continue
-        rows, cols = linears[name]
+    for name, (rows, cols) in _adapted_linears(args, lora):
         out.append((name, "lora_A", (lora.rank, cols)))
         out.append((name, "lora_B", (rows, lora.rank)))
     return out
@@ -89,19 +93,15 @@ def adapter_shapes(args: DecoderShape, lora: LoraShape) -> list[tuple[str, str, 
 def nf4_bytes(numel: float, elem_bytes: float = 4.0) -> float:
     """Bytes of one NF4 tensor of `numel` weights over a base of `elem_bytes` (torchao's NF4Tensor: 4-bit codes,
     an int8 scale per 64 codes, a scale per 256 scales, the scales' mean and the 16-value table)."""
-    return numel / 2 + numel / 64 + (numel / 16384 + 17) * elem_bytes
+    return numel / 2 + numel / NF4_BLOCK + (numel / NF4_GRANULE + 17) * elem_bytes
 
 
 def nf4_shards_whole(args: DecoderShape, lora: LoraShape, shards: int) -> bool:
     """Whether each adapted projection's rows split evenly into `shards` FSDP2 shards of whole NF4 blocks (the
     trainer's check, models/lora.py check_quantize); always true without lora.quantize."""
-    if not lora.quantize:
-        return True
-    from scaletrain.models.lora import whole_nf4_shards
-
-    linears = dict(layer_param_shapes(args))
-    shapes = [linears[name] for name in lora.targets if name in linears]
-    return all(whole_nf4_shards(rows, cols, shards) for rows, cols in shapes)
+    return not lora.quantize or all(
+        whole_nf4_shards(rows, cols, shards) for _, (rows, cols) in _adapted_linears(args, lora)
+    )
 
 
 def layer_quantized(args: DecoderShape, lora: LoraShape, dp_shard: int = 1) -> tuple[int, float, int]:
@@ -109,12 +109,8 @@ def layer_quantized(args: DecoderShape, lora: LoraShape, dp_shard: int = 1) -> t
     after FSDP2 dim-0 sharding; zeros without lora.quantize."""
     if not lora.quantize:
         return 0, 0.0, 0
-    linears = dict(layer_param_shapes(args))
     numel, size, largest = 0, 0.0, 0
-    for name in lora.targets:
-        if name not in linears:
-            continue
-        rows, cols = linears[name]
+    for _, (rows, cols) in _adapted_linears(args, lora):
         local = _shard_rows(rows, dp_shard) * cols
         numel, size, largest = numel + local, size + nf4_bytes(local), max(largest, rows * cols)
     return numel, size, largest

@@ -30,7 +30,7 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
     """ValueError (one line) for LoRA settings this model or layout cannot train."""
     from scaletrain.models.lora import check_lora
 
-    check_lora(cfg.lora, spec)
+    adapted = check_lora(cfg.lora, spec)
     if cfg.lora.quantize != "none" and cfg.lora.rank:
         from scaletrain.models.lora import check_quantize
 
@@ -40,7 +40,7 @@ def check_lora_job(cfg: JobConfig, spec: ModelSpec, degrees: Layout) -> None:
             )
         if cfg.parallel.cpu_offload:
             raise ValueError("lora.quantize: a 4-bit base is not offloaded to the CPU; use parallel.cpu_offload=false")
-        check_quantize(cfg.lora, spec, degrees.dp_shard if degrees.mode.sharded else 1)
+        check_quantize(cfg.lora, adapted, degrees.dp_shard if degrees.mode.sharded else 1)
     if degrees.tp > 1 and cfg.lora.dropout:  # each TP rank would draw its own mask on the whole input
         raise ValueError("lora.dropout: adapter dropout under tensor parallelism is not supported; use lora.dropout=0")
     if degrees.cp > 1:
