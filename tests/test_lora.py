@@ -245,11 +245,22 @@ def test_resume_after_sigkill_bit_identical(clean_run):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+def _load_adapters(model: torch.nn.Module, ckpt: Path) -> None:
+    """The checkpoint's adapter weights copied into `model` (the adapted model in one process), by plain name."""
+    from scaletrain.checkpoint.adapters import read_adapters
+
+    adapters = read_adapters(ckpt)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if plain_param_name(name) in adapters:
+                p.copy_(adapters[plain_param_name(name)])
+
+
 def test_export_peft_and_merged_hf_give_the_trained_logits(clean_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from scaletrain.checkpoint.adapters import base_state, read_adapters
+    from scaletrain.checkpoint.adapters import base_state
 
     _, run = clean_run
     ckpt = _final(run)
@@ -263,11 +274,7 @@ def test_export_peft_and_merged_hf_give_the_trained_logits(clean_run, tmp_path):
     ours.to_empty(device="cpu")
     spec.init_weights(ours, cfg.run.seed)
     init_adapters(ours, cfg.run.seed)
-    adapters = read_adapters(ckpt)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if plain_param_name(name) in adapters:
-                p.copy_(adapters[plain_param_name(name)])
+    _load_adapters(ours, ckpt)
     base = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in spec.hf.config().items() if k != "architectures"}))
     base.load_state_dict(spec.hf.to_hf(base_state(spec, manifest["lora"])), strict=False)
     with_peft = PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
@@ -443,8 +450,6 @@ def test_qlora_checkpoint_holds_adapters_and_merged_export_gives_the_trained_log
     the 4-bit base's values, so transformers' model of the folder gives the trained model's logits."""
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.checkpoint.adapters import read_adapters
-
     ckpt = qlora / "fit" / "qlora" / "checkpoints" / f"step_{STEPS:08d}"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     cfg = load_config(None, [*FAST, *QLORA])
@@ -452,11 +457,7 @@ def test_qlora_checkpoint_holds_adapters_and_merged_export_gives_the_trained_log
     assert manifest["lora"]["quantize"] == "nf4" and manifest["bytes"] < spec.num_params()  # < 1 byte a weight
     run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")], tmp_path)
     ours = _qlora_model(cfg, spec)
-    adapters = read_adapters(ckpt)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if plain_param_name(name) in adapters:
-                p.copy_(adapters[plain_param_name(name)])
+    _load_adapters(ours, ckpt)
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
