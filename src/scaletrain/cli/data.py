@@ -6,11 +6,15 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from scaletrain.cli.errors import fail
 from scaletrain.exit_codes import EXIT_FAILED
+
+if TYPE_CHECKING:
+    from scaletrain.data.tabular_prepare import TabularPrepareOptions
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
@@ -28,8 +32,8 @@ def data() -> None:
     default=None,
     metavar="PATH|bytes",
     help="A Hugging Face tokenizer folder or tokenizer.json (read locally, nothing downloaded), or `bytes`: "
-    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos). Required but for --format images "
-    "and image-text.",
+    "UTF-8 bytes as ids 0..255 (EOS 256, vocabulary 257; 256 with --no-eos). Required but for --format images, "
+    "image-text and tabular.",
 )
 @click.option("--text-key", default="text", show_default=True, help="JSON key / column holding each document.")
 @click.option(
@@ -50,7 +54,8 @@ def data() -> None:
     type=float,
     default=0.01,
     show_default=True,
-    help="Share of documents held out for validation (whole documents, chosen by a hash of their index).",
+    help="Share of documents (images, rows) held out for validation (whole documents, chosen by a hash of their "
+    "index).",
 )
 @click.option(
     "--shard-tokens",
@@ -58,19 +63,26 @@ def data() -> None:
     default=None,
     help="Close a shard once it holds this many tokens (whole documents; default 100,000,000).",
 )
-@click.option("--overwrite", is_flag=True, help="Replace a dataset (or unfinished prepare) made with other arguments.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a dataset (or unfinished prepare) made with other arguments; --format tabular: a tabular dataset "
+    "already in --out.",
+)
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
 @click.option(
     "--format",
     "data_format",
-    type=click.Choice(["text", "chat", "prompt-completion", "images", "image-text"]),
+    type=click.Choice(["text", "chat", "prompt-completion", "images", "image-text", "tabular"]),
     default="text",
     show_default=True,
     help="text: documents, every token trained. chat: records holding a messages list, rendered with the "
     "tokenizer's chat template, loss on the assistant turns only. prompt-completion: two fields, loss on the "
     "completion only. images: a class-per-folder image tree or a .jsonl of path/label records, into WebDataset "
     "tar shards (no tokenizer). image-text: .jsonl/.parquet rows of an image path and a caption or a chat "
-    "messages list, into the same shards (tokenized in training by the model's own processor).",
+    "messages list, into the same shards (tokenized in training by the model's own processor). tabular: click "
+    "logs (Parquet, CSV, JSON Lines, Criteo's headerless TSV) of a 0/1 label, dense and categorical columns, into "
+    "memory-mappable .npy arrays of floats and hashed ids (no tokenizer).",
 )
 @click.option(
     "--shard-images",
@@ -106,6 +118,27 @@ def data() -> None:
     help="chat / prompt-completion: cut a sample over --max-tokens to that length, or leave it out (default "
     "truncate); the manifest counts both.",
 )
+@click.option("--label-col", default=None, help="--format tabular: the 0/1 label's column (default label).")
+@click.option(
+    "--dense-cols",
+    default=None,
+    metavar="A,B,...",
+    help="--format tabular: the numeric feature columns (float32, missing as 0). With --sparse-cols unset too, "
+    "the inputs must be Criteo TSVs (label, I1..I13 dense, C1..C26 sparse).",
+)
+@click.option(
+    "--sparse-cols",
+    default=None,
+    metavar="X,Y,...",
+    help="--format tabular: the categorical columns, each value hashed to a stable int64 id (missing: id 0).",
+)
+@click.option(
+    "--dense-transform",
+    type=click.Choice(["log1p", "none"]),
+    default=None,
+    help="--format tabular: log1p is log(1 + max(x, 0)) on each dense value, as DLRM's Criteo preprocessing "
+    "does (default); none keeps the values.",
+)
 def prepare_cmd(
     inputs: tuple[str, ...],
     out: Path,
@@ -127,9 +160,13 @@ def prepare_cmd(
     skip_bad_images: bool,
     image_key: str,
     caption_key: str,
+    label_col: str | None,
+    dense_cols: str | None,
+    sparse_cols: str | None,
+    dense_transform: str | None,
 ) -> None:
     """Tokenize INPUT... (text files or folders, JSON Lines (.jsonl, .jsonl.gz), Parquet, `datasets.save_to_disk`
-    folders) into token shards with a manifest in --out.
+    folders) into token shards with a manifest in --out (--format images, image-text and tabular: see --format).
 
     A text file is one document. With --format chat or prompt-completion each record is one sample and a loss
     mask beside the tokens says which tokens are trained (the answers). Rerunning an interrupted prepare with the
@@ -145,6 +182,16 @@ def prepare_cmd(
         check_writable_folder(out, "--out")
     except ValueError as e:
         fail(str(e))
+    tabular = {"--label-col": label_col, "--dense-cols": dense_cols, "--sparse-cols": sparse_cols,
+               "--dense-transform": dense_transform}  # fmt: skip
+    if data_format == "tabular":
+        _refuse_options_of_other_formats()
+        _prepare_tabular(inputs, out, _tabular_options(label_col, dense_cols, sparse_cols, val_share,
+                                                       dense_transform, overwrite))  # fmt: skip
+        return
+    for option, given in tabular.items():
+        if given is not None:
+            fail(f"{option}: applies to --format tabular; drop it, or pass --format tabular")
     if data_format in ("images", "image-text"):
         _prepare_images(inputs, out, val_share, shard_images, skip_bad_images, data_format,
                         (image_key, caption_key, messages_key))  # fmt: skip
@@ -244,6 +291,70 @@ def _prepare_images(
                f"shard(s), val {val['samples']:,} images{skipped}")  # fmt: skip
 
 
+# options of the token and image formats, by their parameter names: given with --format tabular they are refused
+_NOT_TABULAR = ("tokenizer", "text_key", "workers", "eos", "shard_tokens", "shard_images", "skip_bad_images",
+                "messages_key", "image_key", "caption_key", "prompt_key", "completion_key", "max_tokens", "overlong")  # fmt: skip
+
+
+def _refuse_options_of_other_formats() -> None:
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    for param in ctx.command.params:
+        if param.name in _NOT_TABULAR and ctx.get_parameter_source(param.name) != ParameterSource.DEFAULT:
+            flag = max(param.opts, key=len)
+            fail(f"{flag}: does not apply to --format tabular; drop it (tabular takes --label-col, --dense-cols, "
+                 f"--sparse-cols, --val-share, --dense-transform, --overwrite)")  # fmt: skip
+
+
+def _tabular_options(
+    label_col: str | None,
+    dense_cols: str | None,
+    sparse_cols: str | None,
+    val_share: float,
+    dense_transform: str | None,
+    overwrite: bool,
+) -> TabularPrepareOptions:
+    from scaletrain.data.tabular_prepare import TabularPrepareOptions
+
+    def names(value: str | None, option: str) -> tuple[str, ...]:
+        cols = tuple(c.strip() for c in (value or "").split(","))
+        if value is not None and not all(cols):
+            fail(f"{option}: {value!r} has an empty name; give comma-separated column names, e.g. a,b")
+        return cols if value is not None else ()
+
+    return TabularPrepareOptions(
+        label_col=label_col or "label",
+        dense_cols=names(dense_cols, "--dense-cols"),
+        sparse_cols=names(sparse_cols, "--sparse-cols"),
+        val_share=val_share,
+        dense_transform=dense_transform or "log1p",
+        overwrite=overwrite,
+    )
+
+
+def _prepare_tabular(inputs: tuple[str, ...], out: Path, opts: TabularPrepareOptions) -> None:
+    import time
+
+    from scaletrain.data.tabular_prepare import TabularPrepareError, prepare_tabular
+
+    start = time.monotonic()
+    try:
+        m = prepare_tabular([Path(p) for p in inputs], out, opts)
+    except TabularPrepareError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; nothing was written, rerun the same command", code=EXIT_INTERRUPTED)
+    except OSError as e:
+        fail(f"{e.filename or out}: {e.strerror or e}", code=EXIT_FAILED)
+    seconds = time.monotonic() - start
+    train, val = m.splits["train"], m.splits["val"]
+    rate = (train["samples"] + val["samples"]) / max(seconds, 1e-9)
+    click.echo(f"{out}: {m.num_dense} dense, {m.num_sparse} sparse columns; train {train['samples']:,} rows "
+               f"({100 * train['positives'] / max(train['samples'], 1):.1f}% positive), val {val['samples']:,} rows; "
+               f"{seconds:.1f} s, {rate:,.0f} rows/s")  # fmt: skip
+
+
 def _share(part: int | None, whole: int) -> str:
     if part is None:
         return f"{whole:,} (all)"
@@ -291,8 +402,18 @@ class _ProgressBar:
 )
 def inspect_cmd(folder: Path, verify: bool, sample_tokens: int | None) -> None:
     """Counts, shards, dtype and tokenizer of a prepared dataset, and a decoded sample; for chat and
-    prompt-completion data the sample's untrained text is shown in [ ] (dimmed on a terminal), trained text plain."""
+    prompt-completion data the sample's untrained text is shown in [ ] (dimmed on a terminal), trained text plain.
+    A tabular dataset: its columns, splits, positives, distinct ids per sparse column and its first row."""
     import numpy as np
+
+    from scaletrain.data.tabular import is_tabular_folder
+
+    if is_tabular_folder(folder):
+        for name, given in (("--verify", verify), ("--sample-tokens", sample_tokens is not None)):
+            if given:
+                fail(f"{name}: applies to token datasets, {folder} is tabular; drop it")
+        _inspect_tabular(folder)
+        return
 
     from scaletrain.data.manifest import (
         DOCS_DTYPE,
@@ -364,6 +485,33 @@ def inspect_cmd(folder: Path, verify: bool, sample_tokens: int | None) -> None:
             "a terminal), trained text plain:"
         )
         click.echo(marked_text(tok.decode, ids, mask))
+
+
+def _inspect_tabular(folder: Path) -> None:
+    from scaletrain.data.tabular import TabularDataError, open_split, read_tabular_manifest
+
+    try:
+        m = read_tabular_manifest(folder)
+        arrays = {split: open_split(folder, split) for split in m.splits}
+    except TabularDataError as e:
+        fail(str(e), code=EXIT_FAILED)
+    click.echo(f"{folder}: tabular v{m.version} ({m.created_by or 'unknown maker'}), from {len(m.sources)} file(s)")
+    click.echo(f"label: {m.label_col}")
+    click.echo(f"dense ({m.num_dense}, float32, {m.dense_transform}): {', '.join(m.dense_cols) or '-'}")
+    click.echo(f"sparse ({m.num_sparse}, int64 hashed ids): {', '.join(m.sparse_cols) or '-'}")
+    for name, counts in m.splits.items():
+        click.echo(f"{name}: {counts['samples']:,} rows, {_share(counts['positives'], counts['samples'])} positive")
+    if m.sparse_cols:
+        distinct = [f"{c} {'>=' if c in m.capped else ''}{m.distinct_ids[c]:,}" for c in m.sparse_cols]
+        click.echo(f"distinct ids in train: {', '.join(distinct)}")
+    click.echo("files: " + ", ".join(f"{s}/{{dense,sparse,labels}}.npy" for s in arrays) + " present with the "
+               "manifest's shapes")  # fmt: skip
+    split = "train" if m.splits["train"]["samples"] else "val"
+    dense, sparse, labels = arrays[split]
+    if len(labels):
+        click.echo(f"sample ({split} row 0): label {labels[0]:g}")
+        click.echo("  dense: " + ", ".join(f"{c}={float(v):.6g}" for c, v in zip(m.dense_cols, dense[0])))
+        click.echo("  sparse: " + ", ".join(f"{c}={int(v)}" for c, v in zip(m.sparse_cols, sparse[0])))
 
 
 def marked_text(decode, ids: list[int], trained) -> str:
