@@ -197,7 +197,7 @@ def test_task_section_is_checked_by_the_task():
     assert task_for(load_config(None).task).name == "causal-lm"  # the default: every existing config
     for override, message in {
         "task.name=nope": "task.name: unknown task 'nope'; choose one of causal-lm, diffusion, image-classification, "
-        "vision-language",
+        "recommendation, vision-language",
         "task.bogus=1": "task.bogus: the causal-lm task has no such field; it has none",
     }.items():
         with pytest.raises(ValueError) as e:

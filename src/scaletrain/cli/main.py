@@ -261,7 +261,11 @@ def models() -> None:
             if a is not None
             else f"{spec.args}"
         )
-        click.echo(f"{name:12s} {spec.num_params() / 1e9:9.3f} B params  {shape}  ({spec.family})")
+        try:
+            size = f"{spec.num_params() / 1e9:9.3f} B params"
+        except ValueError:  # a shape the data completes (a recommender's tables)
+            size = f"{'data':>9s} B params"
+        click.echo(f"{name:12s} {size}  {shape}  ({spec.family})")
     from scaletrain.models.hf.tp import HF_SUPPORT
 
     click.echo(HF_SUPPORT)

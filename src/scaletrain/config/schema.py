@@ -70,7 +70,7 @@ class TaskConfig(Section):
         "causal-lm",
         min_length=1,
         description="task: causal-lm (next-token prediction), image-classification (docs/vision.md), diffusion "
-        "(docs/diffusion.md)",
+        "(docs/diffusion.md), vision-language (docs/vision-language.md), recommendation (docs/recommendation.md)",
     )
 
     def options(self) -> dict[str, Any]:
@@ -172,6 +172,11 @@ class ParallelConfig(Section):
     pp: int = Field(1, ge=1, le=MAX_RANKS, description="pipeline-parallel degree")
     cp: int = Field(
         1, ge=1, le=MAX_RANKS, description="context-parallel degree: each sequence split over cp ranks (head+tail)"
+    )
+    embedding_sharding: Literal["row", "table", "none"] = Field(
+        "row",
+        description="a recommender's embedding tables over the data-parallel ranks (parallel/embedding.py): row "
+        "(each table's rows split evenly), table (each table whole on one rank), none (replicated like the MLPs)",
     )
     ep: int = Field(
         1,

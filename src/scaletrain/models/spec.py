@@ -280,6 +280,14 @@ class ModelSpec(ABC):
             f"parallel.cp: the {self.family} family's attention cannot be split over ranks; use parallel.cp=1"
         )
 
+    # -- embedding tables -----------------------------------------------------------------------------------
+    def embedding_tables(self) -> str | None:
+        """The path of the module (in the built model) holding its embedding tables (`names`, `rows`, `dim`, a `tables`
+        ModuleDict of nn.Embedding, forward(ids (B, T)) -> (B, T, D)), which parallel.embedding_sharding splits over
+        the data-parallel ranks (parallel/embedding.py); None: the model has none to split (a decoder's token
+        embedding is data or tensor parallel like its other weights)."""
+        return None
+
     # -- mixture of experts ---------------------------------------------------------------------------------
     @property
     def splits_experts(self) -> bool:

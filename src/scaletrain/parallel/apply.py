@@ -104,6 +104,14 @@ def _materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.M
         model.to(device)
 
 
+def _data_parallel_mesh(mesh):
+    """The 1-D mesh of every data-parallel rank (dp_replicate x dp_shard, flattened under HSDP)."""
+    dims = tuple(n for n in ("dp_replicate", "dp_shard") if n in (mesh.mesh_dim_names or ()))
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    return mesh[dims]._flatten("dp")
+
+
 def _parallelize(
     model: nn.Module,
     plan: ParallelPlan,
@@ -118,6 +126,12 @@ def _parallelize(
     layout, parallel, precision, spec = plan.layout, plan.parallel, plan.precision, plan.spec
     shard, tp_styles = (plan.shard, plan.tp_styles) if whole_model else (None, None)
     loss_parallel = False
+    tables = spec.embedding_tables() if spec is not None and mesh is not None else None
+    if tables is not None and parallel.embedding_sharding != "none":
+        from scaletrain.parallel.embedding import shard_embedding_tables
+
+        shard_embedding_tables(model, tables, _data_parallel_mesh(mesh), parallel.embedding_sharding,
+                               layout.grad_average)  # fmt: skip
     if layout.ep > 1 and spec is not None:
         from scaletrain.parallel.expert import apply_expert_parallel
 

@@ -20,6 +20,12 @@ from scaletrain.parallel.dims import expert_fsdp_mesh, experts_apart, fsdp_mesh
 DTYPES = {p.name: getattr(torch, p.torch_dtype) for p in PRECISIONS}
 
 
+def sharded_table_params(model: nn.Module) -> list[nn.Parameter]:
+    from scaletrain.parallel.embedding import sharded_tables
+
+    return [p for tables in sharded_tables(model) for p in tables.local_tables()]
+
+
 def _batch_norms(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, _BatchNorm) and any(True for _ in m.parameters())]
 
@@ -98,8 +104,12 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and not last_block,
             offload_policy=offload,
         )
-    # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
+    # the root's params (embeddings, head) are used last in backward: keeping them gathered saves one all-gather;
+    # embedding tables sharded over the ranks (parallel/embedding.py) are left out: their rows are split already
+    tables = set(sharded_table_params(model)) or None
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload, ignored_params=tables
+    )
     return model
 
 
@@ -113,8 +123,11 @@ def apply_ddp(model: nn.Module, mesh, device: torch.device, bucket_cap_mb: float
     # DDP's start-up broadcast of every weight garbles a 4-bit base (NF4's packed parts are not sent whole); every
     # rank quantized the same weights itself (models/lora.py fill_base), so they are left out of it
     quantized = quantized_base_names(model)
-    if quantized:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
+    # embedding tables sharded over the ranks (parallel/embedding.py) differ per rank: not broadcast, not averaged
+    names = {id(p): n for n, p in model.named_parameters()}
+    ignored = quantized + [names[id(p)] for p in sharded_table_params(model)]
+    if ignored:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     return DistributedDataParallel(model, process_group=group, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
 
 

@@ -33,11 +33,20 @@ def gathered_weights(module: nn.Module, keep: bool) -> Iterator[tuple[str, torch
     from scaletrain.models.lora import dequantized
     from scaletrain.parallel.float8 import plain_weights
 
+    from scaletrain.parallel.embedding import broadcast_tables, rank_local_params
+
+    local = {id(p) for p in rank_local_params(module)}  # table-wise tables: each on its owner, broadcast below
+    named = {plain_param_name(n): p for n, p in module.named_parameters()}
     state = dequantized(plain_weights(get_model_state_dict(module)))  # this rank's shards
     for name, value in state.items():
+        if local and id(named.get(plain_param_name(name))) in local:
+            continue
         tensor: Any = value  # a DTensor (sharded by FSDP/TP) or a plain tensor
         if hasattr(tensor, "full_tensor"):
             tensor = tensor.full_tensor()
         if keep:
             yield plain_param_name(name), tensor.detach().cpu().clone()
         del tensor
+    for name, table in broadcast_tables(module):
+        if keep:
+            yield plain_param_name(name), table

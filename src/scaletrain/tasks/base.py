@@ -124,8 +124,9 @@ class Task(ABC):
 
     # -- evaluation -----------------------------------------------------------------------------------------
     def eval_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Statistics of one validation micro-batch besides its loss, each a scalar summed over the validation run
-        and every rank, then given to `eval_metrics` (e.g. a classifier's correct predictions); none by default."""
+        """Statistics of one validation micro-batch besides its loss, each a scalar (or a vector of fixed length, e.g.
+        a histogram) summed over the validation run and every rank, then given to `eval_metrics` (a float, or a list
+        of floats) (e.g. a classifier's correct predictions); none by default."""
         return {}
 
     def eval_metrics(self, loss_sum: float, count: float) -> dict[str, float]:

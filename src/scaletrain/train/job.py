@@ -56,10 +56,18 @@ def _grad_groups(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def global_grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+def global_grad_norm(
+    params: list[nn.Parameter], pp_group=None, rank_local: list[nn.Parameter] | None = None
+) -> torch.Tensor:
     """L2 norm of all gradients across every rank and shard: DTensor grads reduce over their mesh (FSDP, TP),
-    and with pipeline parallelism the stages' squared norms add up over pp_group."""
+    and with pipeline parallelism the stages' squared norms add up over pp_group. `rank_local`: plain weights only
+    one rank holds (table-wise sharded embedding tables, parallel/embedding.py), their squared norms summed over
+    every rank; None when the model has none anywhere (given, even empty, every rank joins that all-reduce)."""
     total = torch.zeros((), dtype=torch.float32)
+    if rank_local is not None:
+        local = [p.grad for p in rank_local if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float() ** 2 if local else total
+        torch.distributed.all_reduce(total)
     for group in _grad_groups(params):
         grads: list[Any] = [p.grad for p in group]  # plain tensors or DTensors (placements, device_mesh)
         placements = getattr(grads[0], "placements", ())
@@ -161,6 +169,10 @@ class Job:
 
     def __post_init__(self) -> None:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        from scaletrain.parallel.embedding import rank_local_params, sharded_tables
+
+        table_wise = any(tables.how == "table" for tables in sharded_tables(self.model))
+        self._rank_local: list[nn.Parameter] | None = rank_local_params(self.model) if table_wise else None
         self._pp_group = self.mesh["pp"].get_group() if self.layout.pp > 1 else None
         # one rank per data-parallel coordinate reports the loss: the last pipeline stage's first TP rank
         tp_rank = self.mesh["tp"].get_local_rank() if self.layout.tp > 1 else 0
@@ -220,8 +232,9 @@ class Job:
             shared.reduce_grads()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        counted = self._params if shared is None else [p for p in self._params if id(p) not in shared.uncounted]
-        norm = global_grad_norm(counted, self._pp_group)
+        uncounted = (shared.uncounted if shared is not None else set()) | {id(p) for p in self._rank_local or ()}
+        counted = [p for p in self._params if id(p) not in uncounted] if uncounted else self._params
+        norm = global_grad_norm(counted, self._pp_group, self._rank_local)
         if skip_nonfinite and self.scaler is None and not torch.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             return norm

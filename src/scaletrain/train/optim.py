@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from scaletrain.config.schema import TrainConfig
 
@@ -17,7 +18,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # plain tensors and DTensors in groups of their own: the foreach kernels refuse to mix them, which a model does
+    # whose embedding tables are sharded over the ranks beside DDP's plain weights (parallel/embedding.py)
+    groups = [
+        {"params": [p for p in params if isinstance(p, DTensor) == distributed], "weight_decay": wd}
+        for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0))
+        for distributed in (False, True)
+    ]
     # only trainable weights (a LoRA base is frozen: no optimizer state); an empty group (LoRA's adapters are all
     # matrices) is left out: DCP's flattened optimizer state cannot load a group without parameters
     groups = [g for g in groups if g["params"]]

@@ -32,6 +32,16 @@ def sum_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
+def _summed_statistic(value: torch.Tensor) -> float | list[float]:
+    """An evaluation statistic summed over all ranks: a float for a scalar, a list for a vector (a histogram)."""
+    if value.numel() == 1:
+        return sum_over_ranks(value)
+    value = value.detach().float().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value.flatten().tolist()
+
+
 def step_count(job: Job, task: Task, micro_batches: list) -> float:
     """The units (task.count) of one step over every data-parallel rank: what the step's summed loss is divided
     by. Every rank of a data-parallel coordinate reads the same batch; a task whose counts vary with the batch's
@@ -155,5 +165,5 @@ def evaluate(job: Job, task: Task, loader, batches: int) -> dict[str, float]:
     if not sums:
         return task.eval_metrics(loss, count)
     # every rank of a data-parallel coordinate holds the same statistics: count each coordinate once
-    owned = {key: sum_over_ranks(_owned(job, value)) for key, value in sorted(sums.items())}
+    owned = {key: _summed_statistic(_owned(job, value)) for key, value in sorted(sums.items())}
     return task.eval_metrics(loss, count, owned)  # type: ignore[call-arg]

@@ -194,7 +194,10 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        # the schedule's position; its per-group lists stay this run's: the optimizer's group count depends on the
+        # layout (plain and DTensor weights are grouped apart: train/optim.py), and a checkpoint may come from another
+        scheduler = {k: v for k, v in state["scheduler"].items() if k not in ("base_lrs", "_last_lr")}
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler})
         self.loader.load_state_dict(state["loader"])
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.job.scaler is not None and state.get("scaler"):

@@ -1,0 +1,261 @@
+"""Recommenders through the same path as language models: a click log prepared with `data prepare --format tabular`,
+the recommendation task on the built-in DLRM, its embedding tables sharded over the ranks row-wise and table-wise
+beside DDP or FSDP2 for the MLPs: per-step losses and final weights equal to one unsharded process, AUC above chance
+on a click log with a planted signal, a SIGKILLed run resuming bit-identical, a checkpoint resharded to another
+sharding and rank count, and the tables exported as safetensors. The click log is generated here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli_in_process
+
+TOL = 1e-5
+DENSE, SPARSE = ["d0", "d1", "d2", "d3"], ["c0", "c1", "c2", "c3", "c4"]
+
+
+def make_clicks(path: Path, n: int = 3000, seed: int = 0) -> Path:
+    """A Parquet click log whose click rate is set by column c0's category, d0 and c2 == v3 (a signal to learn)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    dense = rng.exponential(3.0, (n, len(DENSE)))
+    cats = rng.integers(0, [50, 20, 8, 100, 5], (n, len(SPARSE)))
+    effect = rng.normal(0, 1.5, 50)
+    logit = effect[cats[:, 0]] + 0.5 * (np.log1p(dense[:, 0]) - 1.2) + 0.8 * (cats[:, 2] == 3)
+    label = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.int64)
+    columns = {"label": label, **{c: dense[:, i] for i, c in enumerate(DENSE)}}
+    columns.update({c: [f"v{v}" for v in cats[:, i]] for i, c in enumerate(SPARSE)})
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def clicks(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("clicks")
+    out = tmp / "data"
+    args = ["data", "prepare", str(make_clicks(tmp / "clicks.parquet")), "--out", str(out), "--format", "tabular",
+            "--dense-cols", ",".join(DENSE), "--sparse-cols", ",".join(SPARSE), "--val-share", "0.2"]  # fmt: skip
+    run_cli_in_process(args, tmp)
+    return out
+
+
+def _resolve(overrides: list[str]):
+    from scaletrain.config import load_config
+    from scaletrain.resolve.job import resolve_job
+
+    return resolve_job(load_config(None, overrides), 1)
+
+
+def test_binned_auc_equals_the_exact_auc():
+    import torch
+
+    from scaletrain.tasks.recommendation import AUC_BINS, Recommendation, binned_auc
+
+    gen = torch.Generator().manual_seed(0)
+    labels = (torch.rand(4000, generator=gen) < 0.3).float()
+    logits = torch.randn(4000, generator=gen) + 1.5 * labels  # positives score higher
+    task = Recommendation()
+    sums = task.eval_sums(logits, labels)
+    hist = sums["auc_hist"].tolist()
+    got = binned_auc(hist[:AUC_BINS], hist[AUC_BINS:])
+    pos, neg = logits[labels > 0.5], logits[labels < 0.5]
+    exact = (pos[:, None] > neg[None, :]).double().mean() + 0.5 * (pos[:, None] == neg[None, :]).double().mean()
+    assert abs(got - exact.item()) < 2e-3 and 0.8 < got < 0.9
+    metrics = task.eval_metrics(2000.0, 4000.0, {"auc_hist": hist, "positives": float(sums["positives"])})
+    assert metrics["val_loss"] == 0.5 and metrics["val_auc"] == got and 0.5 < metrics["val_ne"] < 1.0
+
+
+def test_table_wise_sharding_balances_rows_largest_first():
+    from scaletrain.parallel.embedding import assign_tables, row_range
+
+    assert assign_tables([10, 1000, 30, 500, 600], 2) == [0, 0, 0, 1, 1]  # 1000 + 30 + 10 | 600 + 500
+    assert assign_tables([5, 5, 5], 4) == [0, 1, 2]
+    assert [row_range(7, 3, r) for r in range(3)] == [(0, 3), (3, 6), (6, 7)]  # torch.chunk's cut (DTensor's)
+    assert row_range(2, 3, 2) == (2, 2)  # a rank may hold none of a small table
+
+
+def test_the_task_sizes_the_tables_from_the_data_and_refuses_bad_input(clicks):
+    job = ["task.name=recommendation", f"data.path={clicks}", "train.global_batch_size=8"]
+    spec = _resolve([*job, "model.name=dlrm-tiny"]).spec
+    manifest = json.loads((clicks / "manifest.json").read_text())
+    distinct = [manifest["sparse_ids"][c]["distinct"] for c in SPARSE]
+    assert spec.family == "dlrm" and spec.args.n_dense == 4 and spec.args.sparse_columns == tuple(SPARSE)
+    assert list(spec.args.table_rows) == distinct == [50, 20, 8, 100, 5]
+    capped = _resolve([*job, "model.name=dlrm-tiny", "model.max_rows=30"]).spec
+    assert list(capped.args.table_rows) == [30, 20, 8, 30, 5]
+    bad = {
+        "model.name=tiny": "task.name: recommendation feeds dense and categorical features, and the llama model is "
+        "not a recommender; use model.name=dlrm-tiny (or another dlrm preset)",
+        "model.name=dlrm-tiny model.table_rows=[10,10]": "model.table_rows: 2 tables given for the data's 5 "
+        "categorical columns; give one per column or leave it unset",
+        "model.name=dlrm-tiny model.n_dense=3": "model.n_dense: the data has 4 dense features, the model 3; leave "
+        "model.n_dense unset to take the data's",
+        "model.name=dlrm-tiny parallel.tp=2": "parallel.tp: recommendation does not run under this parallelism yet; "
+        "use parallel.tp=1",
+        "model.name=dlrm-tiny model.embedding_dim=x": "model.embedding_dim: input should be a valid integer (got 'x')",
+    }
+    for overrides, message in bad.items():
+        with pytest.raises(ValueError) as e:
+            _resolve([*job, *overrides.split()])
+        assert str(e.value) == message
+
+
+def test_bad_recommender_input_is_one_line_exit_2(tmp_path, clicks):
+    from click.testing import CliRunner
+
+    from scaletrain.cli.main import main
+
+    cases = {
+        ("task.name=recommendation", "model.name=dlrm-tiny", "data.path=/no/such/folder"): "data.path",
+        ("task.name=recommendation", "model.name=dlrm-tiny", f"data.path={clicks}",
+         "parallel.embedding_sharding=columns"): "parallel.embedding_sharding",
+    }  # fmt: skip
+    for args, field in cases.items():
+        result = CliRunner().invoke(main, ["train", *args])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"scaletrain: error: {field}"), result.stderr
+
+
+JOB = ["task.name=recommendation", "model.name=dlrm-tiny", "train.global_batch_size=32", "train.lr=0.01",
+       "train.steps=5"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layouts(clicks, tmp_path_factory):
+    """One process (unsharded tables) and, in one 2-rank launch, the tables row-wise and table-wise beside DDP (with
+    accumulation) and FSDP2: 5 steps each; the one-process launch also trains to its validation AUC."""
+    from test_parallel_layouts import launch_runner
+
+    out = tmp_path_factory.mktemp("layouts")
+    base = [*JOB, f"data.path={clicks}"]
+    fit = [*base, "train.steps=60", "train.warmup_steps=3", "train.eval_interval=60", "train.eval_batches=6",
+           "train.global_batch_size=64", f"run.output_dir={out}", "run.name=fit", "monitor.log_interval=10"]  # fmt: skip
+    launch_runner(1, {"single": [*base, "parallel.dp_shard=1"], "fit": [*fit, "parallel.dp_shard=1"]}, out,
+                  fit=frozenset({"fit"}))  # fmt: skip
+    ddp = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
+    launch_runner(2, {
+        "ddp2_row_accumulate": [*base, *ddp, "parallel.embedding_sharding=row", "train.micro_batch_size=8"],
+        "ddp2_table": [*base, *ddp, "parallel.embedding_sharding=table"],
+        "fsdp2_row": [*base, "parallel.dp_shard=2", "parallel.embedding_sharding=row"],
+        "fsdp2_table": [*base, "parallel.dp_shard=2", "parallel.embedding_sharding=table"],
+    }, out)  # fmt: skip
+    return out
+
+
+@pytest.mark.slow  # two launches (one process, two ranks)
+def test_sharded_tables_equal_one_unsharded_process(layouts):
+    import torch
+    from test_parallel_layouts import runner_losses, runner_state
+
+    ref, want = runner_losses(layouts / "single"), runner_state(layouts / "single")
+    assert len(ref) == 5 and any(k.startswith("embeddings.tables.c0") for k in want)
+    for name in ("ddp2_row_accumulate", "ddp2_table", "fsdp2_row", "fsdp2_table"):
+        got = runner_losses(layouts / name)
+        for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
+            assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
+        state = runner_state(layouts / name)
+        assert state.keys() == want.keys(), name
+        for key, value in want.items():
+            assert torch.allclose(state[key], value, atol=TOL), f"{name}: {key}"
+
+
+@pytest.mark.slow  # shares the launches above
+def test_training_learns_the_planted_clicks(layouts):
+    from scaletrain.monitor import read_jsonl
+
+    records = read_jsonl(layouts / "fit/metrics.jsonl")
+    evaluated = [r for r in records if "val_auc" in r]
+    assert evaluated and evaluated[-1]["val_auc"] > 0.65, records[-3:]  # chance: 0.5
+    assert evaluated[-1]["val_ne"] < 1.0  # better than predicting the base rate
+    assert all("samples_per_s" in r for r in records if "loss" in r)
+
+
+RESUME_STEPS = 24  # checkpoints every 4: a kill after step 9 resumes from 8 or later
+RESUME_JOB = [*JOB, f"train.steps={RESUME_STEPS}", "train.eval_interval=0", "train.eval_batches=1",
+              "monitor.log_interval=1", "monitor.progress=false", "checkpoint.interval_steps=4",
+              "checkpoint.save_final=true", "checkpoint.keep=0", "parallel.embedding_sharding=table"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clean_run(clicks, tmp_path_factory):
+    from conftest import run_cli
+
+    cwd = tmp_path_factory.mktemp("resume")
+    run_cli(["train", *RESUME_JOB, f"data.path={clicks}", "run.name=clean", "--nproc-per-node", "2"], cwd)
+    return cwd
+
+
+def _final_state(run: Path, step: int = RESUME_STEPS) -> dict:
+    from scaletrain.checkpoint.export import load_full_model_state
+
+    return load_full_model_state(run / "checkpoints" / f"step_{step:08d}")[0]
+
+
+@pytest.mark.slow  # a 2-rank launch killed and restarted, plus the clean reference
+def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run, clicks):
+    import os
+    import signal
+
+    import torch
+    from test_checkpoint import _start, _wait_for_step, _workers
+
+    from conftest import losses
+
+    args = ["train", *RESUME_JOB, f"data.path={clicks}", "run.name=killed", "launch.max_restarts=2",
+            "--nproc-per-node", "2"]  # fmt: skip
+    proc = _start(args, clean_run)
+    reached = _wait_for_step(clean_run / "runs/killed", 9, proc)
+    os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
+    assert reached < RESUME_STEPS
+    got, want = _final_state(clean_run / "runs/killed"), _final_state(clean_run / "runs/clean")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert losses(clean_run / "runs/killed") == losses(clean_run / "runs/clean")
+
+
+@pytest.mark.slow  # shares the clean run above
+def test_a_table_wise_checkpoint_resumes_row_wise_and_in_one_process(clean_run, clicks):
+    """The 2-rank table-wise run's step-12 checkpoint continues under row-wise sharding on 2 ranks and unsharded in
+    one process, each with the clean run's losses of steps 13-24 (DCP reshards the tables)."""
+    import shutil
+
+    from conftest import losses, run_cli
+
+    clean = clean_run / "runs/clean"
+    want = losses(clean)[12:]
+    for name, layout in (("row2", ["parallel.embedding_sharding=row", "--nproc-per-node", "2"]),
+                         ("single", ["parallel.dp_shard=1", "--nproc-per-node", "1"])):  # fmt: skip
+        run = clean_run / "runs" / f"from12_{name}"
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copytree(clean / "checkpoints/step_00000012", run / "checkpoints/step_00000012")
+        args = ["train", *RESUME_JOB, f"data.path={clicks}", f"run.name=from12_{name}",
+                *layout]  # fmt: skip
+        run_cli([a for a in args if a != "parallel.embedding_sharding=table"], clean_run)
+        got = losses(run)[-len(want) :]
+        assert len(got) == len(want) and all(abs(a - b) <= TOL for a, b in zip(got, want, strict=True)), name
+
+
+@pytest.mark.slow  # shares the clean run above
+def test_tables_export_as_safetensors_named_by_column(clean_run, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = clean_run / "runs/clean/checkpoints" / f"step_{RESUME_STEPS:08d}"
+    run_cli_in_process(["ckpt", "export", str(ckpt), "--format", "safetensors", "--out", str(tmp_path / "st")],
+                       clean_run)  # fmt: skip
+    exported: dict[str, torch.Tensor] = {}
+    for f in sorted((tmp_path / "st").glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    state = _final_state(clean_run / "runs/clean")
+    assert exported.keys() == state.keys()
+    assert {k for k in exported if k.startswith("embeddings.")} == {f"embeddings.tables.{c}.weight" for c in SPARSE}
+    assert exported["embeddings.tables.c3.weight"].shape == (100, 8)
+    assert all(torch.equal(exported[k], state[k]) for k in state)
