@@ -259,3 +259,27 @@ def test_tables_export_as_safetensors_named_by_column(clean_run, tmp_path):
     assert {k for k in exported if k.startswith("embeddings.")} == {f"embeddings.tables.{c}.weight" for c in SPARSE}
     assert exported["embeddings.tables.c3.weight"].shape == (100, 8)
     assert all(torch.equal(exported[k], state[k]) for k in state)
+
+
+def test_tables_larger_than_a_rank_are_refused_before_launch(clicks, monkeypatch):
+    """The busiest rank's table states (16 bytes an element) against its memory: 8 GB of RAM over 2 CPU ranks."""
+    import scaletrain.hardware.detect as detect
+    from scaletrain.parallel.embedding import table_elements_per_rank
+
+    monkeypatch.setattr(detect, "host_memory_bytes", lambda: 8e9)
+    assert table_elements_per_rank([100, 50, 7], 4, "row", 2) == (50 + 25 + 4) * 4
+    assert table_elements_per_rank([100, 50, 7], 4, "table", 2) == 100 * 4  # 100 | 50 + 7
+    assert table_elements_per_rank([100, 50, 7], 4, "none", 2) == 157 * 4
+    job = ["task.name=recommendation", "model.name=dlrm-tiny", f"data.path={clicks}", "train.global_batch_size=8",
+           "model.embedding_dim=1024", "model.table_rows=[100000,50000,100000,100000,100000]", "run.device=cpu"]  # fmt: skip
+    from scaletrain.config import load_config
+    from scaletrain.resolve.job import resolve_job
+
+    resolve_job(load_config(None, [*job, "parallel.embedding_sharding=row"]), 2)  # 3.7 GB of 4 on the busiest
+    with pytest.raises(ValueError) as e:
+        resolve_job(load_config(None, [*job, "parallel.embedding_sharding=table"]), 2)
+    assert str(e.value) == (
+        "parallel.embedding_sharding: the embedding tables need 4.1 GB on the busiest rank (weights, gradients and "
+        "AdamW states, table sharding over 2 rank(s)), more than a CPU rank's share of the host's RAM (4.0 GB); use "
+        "more ranks, embedding_sharding=row, or a lower model.max_rows"
+    )

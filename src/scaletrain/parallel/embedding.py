@@ -66,6 +66,16 @@ def row_range(rows: int, ranks: int, rank: int) -> tuple[int, int]:
     return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
+def table_elements_per_rank(rows: list[int], dim: int, how: str, ranks: int) -> int:
+    """Table elements the busiest rank holds under sharding `how` ("row", "table" or "none") over `ranks`."""
+    if how == "row" and ranks > 1:
+        return sum(row_range(n, ranks, 0)[1] for n in rows) * dim  # rank 0 holds torch.chunk's largest cut
+    if how == "table" and ranks > 1:
+        owner = assign_tables(rows, ranks)
+        return max(sum(n for n, o in zip(rows, owner, strict=True) if o == r) for r in range(ranks)) * dim
+    return sum(rows) * dim
+
+
 class ShardedEmbeddingTables(nn.Module):
     """A model's EmbeddingTables (models/dlrm/model.py: `names`, `rows`, `dim`, `tables`) with its tables split over
     `mesh` (1-D, the data-parallel ranks): the same parameter names (`tables.<name>.weight`), the same forward

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 from scaletrain.config.layout import DataParallelMode, Layout
 from scaletrain.config.precisions import precision
@@ -203,3 +204,35 @@ def pipeline_microbatches(cfg: JobConfig, layout: Layout) -> int:
             f"(rounds of pp={layout.pp}), got {m}"
         )
     return m
+
+
+def check_embedding_memory(cfg: JobConfig, spec: ModelSpec, layout: Layout, world_size: int) -> None:
+    """A model's embedding tables (ModelSpec.embedding_tables) refused before launch (one line) when the busiest
+    rank's share of their weights, gradients and AdamW states (16 bytes an element, fp32) under
+    parallel.embedding_sharding exceeds one rank's memory: a GPU's, or on CPU ranks the host's RAM over the ranks
+    on it."""
+    path = spec.embedding_tables()
+    if path is None:
+        return
+    from scaletrain.hardware.detect import host_memory_bytes
+    from scaletrain.parallel.embedding import table_elements_per_rank
+    from scaletrain.parallel.runtime import pick_device_type
+
+    tables: Any = spec.build("meta").get_submodule(path)  # names, rows, dim (ModelSpec.embedding_tables)
+    how = cfg.parallel.embedding_sharding if layout.dp > 1 else "none"
+    need = 16 * table_elements_per_rank(list(tables.rows), int(tables.dim), how, layout.dp)
+    if pick_device_type(cfg.run.device) == "cuda":
+        import torch
+
+        have: float | None = float(torch.cuda.get_device_properties(0).total_memory)
+        where = "a GPU's memory"
+    else:
+        host = host_memory_bytes()
+        have = host / max(1, world_size // cfg.launch.nnodes) if host else None
+        where = "a CPU rank's share of the host's RAM"
+    if have is not None and need > have:
+        raise ValueError(
+            f"parallel.embedding_sharding: the embedding tables need {need / 1e9:.1f} GB on the busiest rank "
+            f"(weights, gradients and AdamW states, {how} sharding over {layout.dp} rank(s)), more than "
+            f"{where} ({have / 1e9:.1f} GB); use more ranks, embedding_sharding=row, or a lower model.max_rows"
+        )

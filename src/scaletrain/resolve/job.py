@@ -12,7 +12,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.models.registry import model_spec
 from scaletrain.models.spec import ModelSpec
 from scaletrain.monitor.sinks import check_trackers
-from scaletrain.resolve.checks import check_hf_init, check_layout, pipeline_microbatches
+from scaletrain.resolve.checks import check_embedding_memory, check_hf_init, check_layout, pipeline_microbatches
 from scaletrain.resolve.device import settle_device_defaults
 from scaletrain.tasks import task_for
 
@@ -95,4 +95,5 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
         schedule=cfg.parallel.pp_schedule if piped else "none",
         virtual_stages=cfg.parallel.stages_per_rank if piped else 1,
     )
+    check_embedding_memory(cfg, spec, layout, world_size)  # sized by the data (bind_data)
     return ResolvedJob(spec=spec, layout=layout)
