@@ -283,3 +283,28 @@ def test_tables_larger_than_a_rank_are_refused_before_launch(clicks, monkeypatch
         "AdamW states, table sharding over 2 rank(s)), more than a CPU rank's share of the host's RAM (4.0 GB); use "
         "more ranks, embedding_sharding=row, or a lower model.max_rows"
     )
+
+
+def test_plan_of_a_recommender_job_shards_its_tables(clicks, tmp_path):
+    """`scaletrain plan CONFIG` sizes the tables from the job's data and holds each rank's share of them (the
+    busiest rank's, as the trainer shards them) beside the MLPs' DDP or FSDP2 share; a preset without columns is
+    refused in one line."""
+    import math
+
+    from scaletrain.parallel.embedding import table_elements_per_rank
+
+    job = ["task.name=recommendation", "model.name=dlrm-tiny", f"data.path={clicks}"]
+    out = run_cli_in_process(["plan", *job, "parallel.embedding_sharding=table", "--gpus", "2", "--json"], tmp_path)
+    plan = json.loads(out.stdout)
+    spec = _resolve([*job, "train.global_batch_size=8"]).spec
+    model = spec.build("meta")
+    mlp = [p.shape for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+    held = table_elements_per_rank(spec.rows, 8, "table", 2)
+    assert held == max(50 * 8, (20 + 8 + 5) * 8, 100 * 8) == 800  # c3's 100 rows alone on one rank
+    assert {r["layout"]["dp_shard"] for r in plan["rows"]} == {1, 2}
+    for row in plan["rows"]:
+        fsdp = row["layout"]["dp_shard"] == 2
+        local = sum(-(-s[0] // 2) * math.prod(s[1:]) if fsdp else math.prod(s) for s in mlp)
+        assert row["memory_bytes"]["parameters"] == 4.0 * (local + held), row["describe"]
+    bad = run_cli_in_process(["plan", "--model", "dlrm-tiny", "--gpus", "2"], tmp_path, check=False)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("scaletrain: error: --model: dlrm-tiny's tables")

@@ -418,20 +418,43 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
                 spec = spec_selected_by("hf", hf_path)
             elif cfg is not None:
                 spec = model_spec(cfg.model)
+                if not getattr(spec, "bound", True):  # a shape the data completes (a recommender's tables)
+                    from scaletrain.tasks import task_for
+
+                    task = task_for(cfg.task)
+                    task.check_data(cfg, spec)
+                    spec = task.bind_data(cfg, spec)
             else:
                 spec = preset_spec(model)
+            if not getattr(spec, "bound", True):
+                fail(f"--model: {model}'s tables are sized by the data; plan a job config whose data.path names a "
+                     f"prepared tabular folder, or a preset that names its columns (dlrm-criteo-kaggle)")  # fmt: skip
             seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
             target = spec_target(spec, seq)
+            tables = _table_shape(spec, cfg)
         world = cluster.gpus
         batch = global_batch if global_batch is not None else world * -(-max(256, world) // world)
         traces = {p: trace_model(target, p) for p in opts.precisions}
-        plan = plan_traced(traces, cluster, batch, ac_modes, opts.top)
+        plan = plan_traced(traces, cluster, batch, ac_modes, opts.top, tables if factory is None else None)
     except ValueError as e:
         fail(str(e))
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2))
         return
     print_traced_plan(plan)
+
+
+def _table_shape(spec, cfg):
+    """The model's embedding tables as the planner shards them (parallel.embedding_sharding of the job config,
+    row-wise otherwise); None for a model without any."""
+    from scaletrain.plan.traced import TableShape
+
+    path = spec.embedding_tables()
+    if path is None:
+        return None
+    tables = spec.build("meta").get_submodule(path)
+    sharding = cfg.parallel.embedding_sharding if cfg is not None else "row"
+    return TableShape(tuple(int(n) for n in tables.rows), int(tables.dim), sharding)
 
 
 def _moe_spec(cfg, model, hf_path, params, ep_text):

@@ -101,6 +101,48 @@ class TracedPlan:
         }
 
 
+@dataclass(frozen=True)
+class TableShape:
+    """A model's embedding tables sharded over the data-parallel ranks (parallel/embedding.py): each table's rows, their
+    width, and parallel.embedding_sharding. Their weights stay out of DDP's all-reduce and FSDP2's gathers; each
+    micro-batch sends every rank its samples' rows by one all-to-all forward and one backward."""
+
+    rows: tuple[int, ...]
+    dim: int
+    sharding: str = "row"
+
+    @property
+    def elements(self) -> int:
+        return sum(self.rows) * self.dim
+
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [(n, self.dim) for n in self.rows]
+
+    def elements_per_rank(self, dp: int) -> int:
+        from scaletrain.parallel.embedding import table_elements_per_rank
+
+        return table_elements_per_rank(list(self.rows), self.dim, self.sharding if dp > 1 else "none", dp)
+
+    def a2a_bytes(self, samples: int, dp: int) -> float:
+        """Bytes the busiest rank sends in one all-to-all of a micro-batch of `samples` per rank (fp32 rows, itself
+        included): row-wise a partial row of every table for every rank's samples, table-wise its own tables'."""
+        tables = len(self.rows)
+        if self.sharding == "table":
+            from scaletrain.parallel.embedding import assign_tables
+
+            owner = assign_tables(list(self.rows), dp)
+            tables = max(owner.count(r) for r in range(dp))
+        return 4.0 * dp * samples * tables * self.dim
+
+
+def _without(shapes: list, removed: list) -> list:
+    """`shapes` with each of `removed` taken out once (the tables among the root's parameters)."""
+    left = list(shapes)
+    for shape in removed:
+        left.remove(tuple(shape))
+    return left
+
+
 def _sharded_numel(shapes, shards: int) -> int:
     """Elements rank 0 keeps when FSDP2 chunks dim 0 of each tensor over `shards` ranks (torch.chunk)."""
     return sum(min(s[0], -(-s[0] // shards)) * math.prod(s[1:]) if s else 1 for s in shapes)
@@ -110,21 +152,31 @@ def _all_shapes(trace: ModelTrace):
     return [s for lay in trace.layers for _ in range(lay.repeat) for s in lay.param_shapes]
 
 
-def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str, float]:
-    """Bytes per rank, one value per MEMORY_LINES entry, for a DDP / FSDP layout (tp = pp = cp = 1)."""
+def _sharded_tables(tables: TableShape | None, layout: Layout) -> bool:
+    return tables is not None and tables.sharding != "none" and layout.dp > 1
+
+
+def traced_memory(
+    trace: ModelTrace, layout: Layout, cluster: Cluster, tables: TableShape | None = None
+) -> dict[str, float]:
+    """Bytes per rank, one value per MEMORY_LINES entry, for a DDP / FSDP layout (tp = pp = cp = 1); `tables`: the
+    model's embedding tables sharded over the data-parallel ranks beside it."""
     on_gpu = cluster.gpu.name != "cpu"
     e = float(trace.element_bytes)
     scale = layout.micro_batch / trace.samples
     fsdp = layout.mode.sharded
-    n = trace.params
-    local = _sharded_numel(_all_shapes(trace), layout.dp_shard) if fsdp else n
+    apart = _sharded_tables(tables, layout)
+    shapes = _without(_all_shapes(trace), tables.shapes()) if apart and tables is not None else _all_shapes(trace)
+    held = tables.elements_per_rank(layout.dp) if apart and tables is not None else 0
+    n = trace.params - (tables.elements if apart and tables is not None else 0)  # what data parallelism handles
+    local = (_sharded_numel(shapes, layout.dp_shard) if fsdp else n) + held
     tensors = trace.param_tensors
     lines = dict.fromkeys(MEMORY_LINES, 0.0)
     lines["parameters"] = 4.0 * local
     lines["gradients"] = 4.0 * local
     lines["optimizer states"] = 8.0 * local + 4.0 * tensors
     if fsdp:
-        root = trace.layer(ROOT).params
+        root = trace.layer(ROOT).params - (trace.params - n)  # the sharded tables are not gathered
         block = trace.largest_block_params
         # two blocks gathered (one computing, one prefetched) and the root; a block's whole gradient in the compute
         # dtype and its fp32 reduce copy while it is reduce-scattered (plan/memory.py, the same rule)
@@ -134,9 +186,7 @@ def traced_memory(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[s
         lines["gathered/cast weights"] = e * (2 * block + root) + reduce if block else e * n + 4 * n
     elif e < 4:
         # autocast's cached low-precision copies of the weights it multiplies with (matrices and kernels)
-        lines["gathered/cast weights"] = e * sum(
-            math.prod(s) for lay in trace.layers for _ in range(lay.repeat) for s in lay.param_shapes if len(s) >= 2
-        )
+        lines["gathered/cast weights"] = e * sum(math.prod(s) for s in shapes if len(s) >= 2)
     lines["activations"] = trace.saved_bytes(layout.ac) * scale
     if layout.ac == "full":
         lines["recompute working set"] = trace.largest_block_saved * scale
@@ -182,14 +232,46 @@ def _compute_seconds(trace: ModelTrace, cluster: Cluster, precision: str, phase:
     )
 
 
-def traced_time(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str, float]:
-    """Seconds per optimizer step, one value per TIME_LINES entry, for a DDP / FSDP layout."""
+TABLE_GRAD_OP = "aten.embedding_dense_backward"  # a table's dense gradient: the whole table each micro-batch
+LOOKUP_OP = "aten.embedding"  # counted by the trace with the whole table read; a lookup reads only its rows
+
+
+def _op_bytes(trace: ModelTrace, op: str) -> float:
+    return sum(o.bytes for o in trace.ops if o.op == op)
+
+
+def _table_seconds(trace: ModelTrace, tables: TableShape, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of the tables' ops in one micro-batch of this layout, replacing the traced ones
+    (which scale with the micro-batch): a lookup moves its rows and ids (the trace's bytes without the tables'
+    fp32 weights), for every rank's samples when the tables are sharded; the dense gradient writes the table (this
+    rank's share) once per micro-batch."""
+    scale = layout.micro_batch / trace.samples
+    apart = _sharded_tables(tables, layout)
+    lookup = max(0.0, _op_bytes(trace, LOOKUP_OP) - 4.0 * tables.elements) * scale * (layout.dp if apart else 1)
+    share = tables.elements_per_rank(layout.dp) / tables.elements if apart else 1.0
+    grad = _op_bytes(trace, TABLE_GRAD_OP) * share
+    return float(pointwise_seconds(lookup, lookup, cluster)), float(pointwise_seconds(grad, grad, cluster))
+
+
+def traced_time(
+    trace: ModelTrace, layout: Layout, cluster: Cluster, tables: TableShape | None = None
+) -> dict[str, float]:
+    """Seconds per optimizer step, one value per TIME_LINES entry, for a DDP / FSDP layout; `tables` as for
+    traced_memory: their all-to-alls (forward and backward of every micro-batch, on the critical path) count in
+    "dp comm exposed"."""
     on_gpu = cluster.gpu.name != "cpu"
     scale = layout.micro_batch / trace.samples
     m = layout.accumulation
     fwd = _compute_seconds(trace, cluster, layout.precision, "forward") * scale
     bwd = _compute_seconds(trace, cluster, layout.precision, "backward") * scale
     lines = dict.fromkeys(TIME_LINES, 0.0)
+    if tables is not None:  # the tables' ops priced by what they move (_table_seconds), not as traced
+        for op, phase in ((LOOKUP_OP, "forward"), (TABLE_GRAD_OP, "backward")):
+            traced = _op_bytes(trace, op)
+            seconds = float(pointwise_seconds(traced, traced, cluster)) * scale
+            fwd, bwd = (fwd - seconds, bwd) if phase == "forward" else (fwd, bwd - seconds)
+        lookup, grad = _table_seconds(trace, tables, layout, cluster)
+        fwd, bwd = fwd + lookup, bwd + grad
     lines["compute"] = (fwd + bwd) * m
     if layout.ac == "full":
         lines["recompute"] = _compute_seconds(trace, cluster, layout.precision, "forward", True) * scale * m
@@ -199,7 +281,8 @@ def traced_time(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str
     lines["op dispatch"] = host if not on_gpu else max(0.0, host - kernels)
 
     e = float(trace.element_bytes)
-    n = trace.params
+    apart = _sharded_tables(tables, layout)
+    n = trace.params - (tables.elements if apart and tables is not None else 0)
     dp = layout.dp
     if dp > 1:
         units = max(trace.n_blocks, 1) + 1
@@ -212,7 +295,17 @@ def traced_time(trace: ModelTrace, layout: Layout, cluster: Cluster) -> dict[str
             comm = float(collective_seconds("all_reduce", 4.0 * n, dp, 1, cluster))
         overlap = cluster.gpu.comm_overlap * (fwd + bwd) * m
         lines["dp comm exposed"] = max(comm - overlap, comm * (1.0 - cluster.gpu.comm_overlap))
-    local = _sharded_numel(_all_shapes(trace), layout.dp_shard) if layout.mode.sharded else n
+    shapes = _all_shapes(trace)
+    local = n
+    if apart and tables is not None:
+        from scaletrain.plan.experts import all_to_all_seconds
+
+        a2a = all_to_all_seconds(tables.a2a_bytes(layout.micro_batch, dp), dp, cluster)
+        lines["dp comm exposed"] += 2 * m * a2a  # the forward waits for its rows, the backward for their gradients
+        shapes = _without(shapes, tables.shapes())
+        local = n + tables.elements_per_rank(dp)
+    if layout.mode.sharded:
+        local = _sharded_numel(shapes, layout.dp_shard) + (local - n)
     per_param = ADAMW_BYTES_PER_PARAM + (ADAMW_INPLACE_WRITE_BYTES if on_gpu else 0.0)
     lines["optimizer"] = float(memory_seconds(per_param * local, cluster))
     return lines
@@ -243,8 +336,10 @@ def plan_traced(
     global_batch: int,
     ac_modes=TRACED_AC_MODES,
     top: int = 10,
+    tables: TableShape | None = None,
 ) -> TracedPlan:
-    """Every candidate layout priced from the traces (one per compute dtype), fitting ones first by step time."""
+    """Every candidate layout priced from the traces (one per compute dtype), fitting ones first by step time;
+    `tables`: the model's embedding tables, sharded over the data-parallel ranks (TableShape)."""
     started = time.perf_counter()
     for ac in ac_modes:
         if ac not in TRACED_AC_MODES:
@@ -255,8 +350,9 @@ def plan_traced(
     rows = []
     for lay in layouts:
         trace = traces[lay.precision]
-        mem = traced_memory(trace, lay, cluster)
-        rows.append(TracedRow(lay, mem, traced_time(trace, lay, cluster), sum(mem.values()) <= cluster.memory_bytes))
+        mem = traced_memory(trace, lay, cluster, tables)
+        fits = sum(mem.values()) <= cluster.memory_bytes
+        rows.append(TracedRow(lay, mem, traced_time(trace, lay, cluster, tables), fits))
     rows.sort(key=lambda r: (not r.fits, r.step_s if r.fits else r.memory_total))
     plan = TracedPlan(traces, cluster, global_batch, rows[:top], len(layouts), time.perf_counter() - started)
     plan.advice = one_change_advice(rows, cluster)

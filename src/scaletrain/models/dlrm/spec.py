@@ -127,6 +127,14 @@ class DLRMSpec(ModelSpec):
     def embedding_tables(self) -> str | None:
         return TABLES
 
+    def example_inputs(self, samples: int) -> tuple[tuple[torch.Tensor, ...], dict]:
+        """One micro-batch as the recommendation task feeds the forward: dense features and categorical ids; what
+        the planner traces (plan/trace.py)."""
+        import torch
+
+        a = self.args
+        return (torch.zeros((samples, a.n_dense)), torch.zeros((samples, len(a.sparse_columns)), dtype=torch.int64)), {}
+
     # -- numbers --------------------------------------------------------------------------------------------
     def table_params(self) -> int:
         return sum(self.rows) * self.args.embedding_dim
