@@ -308,3 +308,16 @@ def test_plan_of_a_recommender_job_shards_its_tables(clicks, tmp_path):
         assert row["memory_bytes"]["parameters"] == 4.0 * (local + held), row["describe"]
     bad = run_cli_in_process(["plan", "--model", "dlrm-tiny", "--gpus", "2"], tmp_path, check=False)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("scaletrain: error: --model: dlrm-tiny's tables")
+
+
+@pytest.mark.slow  # three 2-rank launches
+def test_recommender_benchmark_runs(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import recommender
+
+    report = recommender.main(["--rows", "3000", "--max-cardinality", "500", "--steps", "3", "--reps", "1",
+                               "--batch", "64", "--markdown", str(tmp_path / "B.md")])  # fmt: skip
+    assert "| row |" in report and "| table |" in report and "torchrec: not run: give --torchrec DIR" in report
+    assert "## Recommenders: sharded embedding tables, against torchrec" in (tmp_path / "B.md").read_text()
