@@ -161,7 +161,8 @@ class ParallelConfig(Section):
     DataParallelMode.of decides; the resolved degrees are a Layout, resolve/job.py). tp splits every block's
     matmuls (DTensor), pp splits the layers into pipeline stages (torch.distributed.pipelining), cp splits every
     sequence over ranks (parallel/context_parallel.py; its ranks join the FSDP shard group).
-    Applied in one fixed order: pipeline split -> CP -> TP -> activation checkpointing -> compile -> FSDP/DDP.
+    Applied in one fixed order: pipeline split -> CP -> embedding tables -> EP -> TP -> activation checkpointing ->
+    compile -> FSDP/DDP.
     """
 
     dp_replicate: int = Field(

@@ -1,12 +1,13 @@
 """Applying a layout to a model, in one fixed order:
-FP8 conversion → pipeline split → context parallel → tensor (+ sequence) parallel → activation checkpointing → compile
-→ FSDP2 / DDP.
+FP8 conversion → pipeline split → context parallel → sharded embedding tables → expert parallel → tensor (+ sequence)
+parallel → activation checkpointing → compile → FSDP2 / DDP.
 
 Each step works on the meta-device model; it is materialised at the right moment: after FSDP sharding (each rank
 allocates only its shard), before DDP (which broadcasts rank 0's weights at construction). TP before FSDP makes
 FSDP shard the TP shards (2-D DTensors); AC and compile wrap whole blocks before FSDP so that FSDP still sees one
 unit per block. FP8 conversion comes first (as in torchtitan) so TP and FSDP shard the float8 linears' weights and
-pick their float8 styles and all-gathers (parallel/float8.py).
+pick their float8 styles and all-gathers (parallel/float8.py). A recommender's embedding tables are split over the
+data-parallel ranks before FSDP / DDP (parallel/embedding.py), which then leave them out.
 
 What to apply is one ParallelPlan: the Layout's degrees (config/layout.py), the job's [parallel] and [precision]
 sections for how each parallelism runs, and the model's spec. The trainer builds it from its resolved job
