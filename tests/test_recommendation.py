@@ -222,6 +222,16 @@ def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run,
 
 
 @pytest.mark.slow  # shares the clean run above
+def test_the_tables_all_to_all_bytes_are_logged(clean_run):
+    """Table-wise on 2 ranks, 16 samples a rank: each rank sends the other its tables' rows for the other's 16
+    samples, 8 fp32 wide: 16 x 5 tables x 8 x 4 bytes a step over both ranks, forward."""
+    from scaletrain.monitor import read_jsonl
+
+    logged = [r["table_a2a_bytes"] for r in read_jsonl(clean_run / "runs/clean/metrics.jsonl") if "loss" in r]
+    assert len(logged) == RESUME_STEPS and set(logged) == {16 * 5 * 8 * 4}
+
+
+@pytest.mark.slow  # shares the clean run above
 def test_a_table_wise_checkpoint_resumes_row_wise_and_in_one_process(clean_run, clicks):
     """The 2-rank table-wise run's step-12 checkpoint continues under row-wise sharding on 2 ranks and unsharded in
     one process, each with the clean run's losses of steps 13-24 (DCP reshards the tables)."""

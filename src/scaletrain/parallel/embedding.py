@@ -110,6 +110,11 @@ class ShardedEmbeddingTables(nn.Module):
         self.sent_by = counts  # contributions per sample each rank sends
         self.bytes_sent = 0  # bytes of looked-up rows sent to other ranks (forward)
 
+    def take_bytes_sent(self) -> int:
+        """Bytes of looked-up rows sent to other ranks since the last call (forward; backward sends as many again)."""
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
     def local_tables(self) -> list[nn.Parameter]:
         """The weights this rank holds (their gradients are reduced here, not by data parallelism)."""
         return [cast(nn.Parameter, m.weight) for m in self.tables.values()]
@@ -166,6 +171,18 @@ def shard_embedding_tables(model: nn.Module, path: str, mesh, how: str, grad_ave
 
 def sharded_tables(model: nn.Module) -> list[ShardedEmbeddingTables]:
     return [m for m in model.modules() if isinstance(m, ShardedEmbeddingTables)]
+
+
+def table_traffic(modules: list[nn.Module]) -> dict[str, float]:
+    """The step's metric of sharded tables in `modules` (every rank calls it: one all-reduce): `table_a2a_bytes`, the
+    rows their all-to-alls sent between ranks in every forward since the last call (evaluation too), summed over
+    ranks; {} when the model has none."""
+    tables = [t for m in modules for t in sharded_tables(m)]
+    if not tables:
+        return {}
+    sent = torch.tensor([float(sum(t.take_bytes_sent() for t in tables))], dtype=torch.float64)
+    dist.all_reduce(sent, group=tables[0].group)
+    return {"table_a2a_bytes": float(sent.item())}
 
 
 def rank_local_params(model: nn.Module) -> list[nn.Parameter]:

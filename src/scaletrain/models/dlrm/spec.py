@@ -127,6 +127,12 @@ class DLRMSpec(ModelSpec):
     def embedding_tables(self) -> str | None:
         return TABLES
 
+    def after_optimizer_step(self, modules: list[nn.Module]) -> dict[str, float]:
+        """The bytes of rows the sharded tables' all-to-alls sent between ranks (parallel/embedding.py)."""
+        from scaletrain.parallel.embedding import table_traffic
+
+        return table_traffic(modules)
+
     def example_inputs(self, samples: int) -> tuple[tuple[torch.Tensor, ...], dict]:
         """One micro-batch as the recommendation task feeds the forward: dense features and categorical ids; what
         the planner traces (plan/trace.py)."""
