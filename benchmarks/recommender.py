@@ -3,7 +3,8 @@ per-column cardinalities from 4 to --max-cardinality) through `scaletrain data p
 `scaletrain train task.name=recommendation`, on --nproc CPU ranks with DDP for the MLPs, the variants alternating
 within each rep so drift on a shared machine hits all of them:
 
-1. The tables replicated (parallel.embedding_sharding=none), split row-wise and table-wise: median step time
+1. The tables replicated (parallel.embedding_sharding=none), split row-wise and table-wise (and table-wise with
+   train.optimizer_impl=fused, AdamW's one-kernel update, "table+fused"): median step time
    (the first logged step dropped as warm-up), samples per second, the busiest rank's share of the tables'
    weights, gradients and AdamW states (parallel/embedding.py table_elements_per_rank, 16 bytes an element) and the
    peak memory per rank the monitor records (CPU: peak RSS).
@@ -76,7 +77,7 @@ def _model_args(a) -> list[str]:
     return [f"model.embedding_dim={a.dim}", f"model.bottom_mlp={list(BOTTOM)}", f"model.top_mlp={list(TOP)}"]
 
 
-def _train(a, work: Path, data: Path, name: str, sharding: str) -> list[dict]:
+def _train(a, work: Path, data: Path, name: str, variant: str) -> list[dict]:
     """One `scaletrain train` run; its metrics records with a step time (the first dropped as warm-up)."""
     cmd = [sys.executable, "-m", "scaletrain.cli.main", "train", "task.name=recommendation", "model.name=dlrm-small",
            f"data.path={data}", *_model_args(a), f"train.global_batch_size={a.batch}", f"train.steps={a.steps}",
@@ -84,7 +85,9 @@ def _train(a, work: Path, data: Path, name: str, sharding: str) -> list[dict]:
            "monitor.log_interval=1", "monitor.progress=false", "monitor.sample_interval_s=0",
            "monitor.tensorboard=false", "checkpoint.save_final=false", f"run.name={name}", f"run.output_dir={work}",
            f"parallel.dp_replicate={a.nproc}", "parallel.dp_shard=1",
-           f"parallel.embedding_sharding={sharding}", "--nproc-per-node", str(a.nproc)]  # fmt: skip
+           f"parallel.embedding_sharding={variant.split('+')[0]}",
+           f"train.optimizer_impl={'fused' if variant.endswith('+fused') else 'foreach'}",
+           "--nproc-per-node", str(a.nproc)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=work)
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> str:
     from scaletrain.parallel.embedding import table_elements_per_rank
 
     skip = _torchrec_missing(a.torchrec)
-    variants = ("none", "row", "table")
+    variants = ("none", "row", "table", "table+fused")
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     torchrec_times: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> str:
     base = _median_step(runs["none"])
     for v in variants:
         step = _median_step(runs[v])
-        states = 16 * table_elements_per_rank(rows, a.dim, v, a.nproc) / 1e6
+        states = 16 * table_elements_per_rank(rows, a.dim, v.split("+")[0], a.nproc) / 1e6
         peak = max(max(r["peak_mem_bytes_per_rank"]) for r in runs[v]) / 1e9
         lines.append(f"| {v} | {step * 1e3:.1f} | {a.batch / step:,.0f} | {step / base:.2f} | {states:.1f} | "
                      f"{peak:.2f} |")  # fmt: skip
@@ -247,11 +250,13 @@ def main(argv: list[str] | None = None) -> str:
         lines.append(f"torchrec: {skip}.")
     else:
         theirs = statistics.median(torchrec_times)
-        ours = _median_step(runs["table"])
+        ours, fused = _median_step(runs["table"]), _median_step(runs["table+fused"])
         lines += [
             "| trainer | median step (ms) | scaletrain ÷ torchrec |",
             "|---|---|---|",
-            f"| scaletrain (table-wise) | {ours * 1e3:.1f} | {ours / theirs:.2f} |",
+            f"| scaletrain (table-wise, foreach AdamW) | {ours * 1e3:.1f} | {ours / theirs:.2f} |",
+            f"| scaletrain (table-wise, fused AdamW: train.optimizer_impl=fused) | {fused * 1e3:.1f} | "
+            f"{fused / theirs:.2f} |",
             f"| torchrec 1.8.0 DMP (table_wise, fused row-wise Adagrad) | {theirs * 1e3:.1f} | 1.00 |",
         ]
     report = "\n".join(lines)

@@ -145,6 +145,8 @@ def layouts(clicks, tmp_path_factory):
         "ddp2_table": [*base, *ddp, "parallel.embedding_sharding=table"],
         "fsdp2_row": [*base, "parallel.dp_shard=2", "parallel.embedding_sharding=row"],
         "fsdp2_table": [*base, "parallel.dp_shard=2", "parallel.embedding_sharding=table"],
+        "fsdp2_row_fused": [*base, "parallel.dp_shard=2", "parallel.embedding_sharding=row",
+                            "train.optimizer_impl=fused"],
     }, out)  # fmt: skip
     return out
 
@@ -156,7 +158,8 @@ def test_sharded_tables_equal_one_unsharded_process(layouts):
 
     ref, want = runner_losses(layouts / "single"), runner_state(layouts / "single")
     assert len(ref) == 5 and any(k.startswith("embeddings.tables.c0") for k in want)
-    for name in ("ddp2_row_accumulate", "ddp2_table", "fsdp2_row", "fsdp2_table"):
+    # fused AdamW (one kernel for the update) against the one-process foreach reference: the same arithmetic
+    for name in ("ddp2_row_accumulate", "ddp2_table", "fsdp2_row", "fsdp2_table", "fsdp2_row_fused"):
         got = runner_losses(layouts / name)
         for step, (a, b) in enumerate(zip(ref, got, strict=True), 1):
             assert abs(a - b) <= TOL, f"{name} step {step}: {b} vs one process {a}"
@@ -329,5 +332,5 @@ def test_recommender_benchmark_runs(tmp_path):
 
     report = recommender.main(["--rows", "3000", "--max-cardinality", "500", "--steps", "3", "--reps", "1",
                                "--batch", "64", "--markdown", str(tmp_path / "B.md")])  # fmt: skip
-    assert "| row |" in report and "| table |" in report and "torchrec: not run: give --torchrec DIR" in report
+    assert "| row |" in report and "| table+fused |" in report and "torchrec: not run: give --torchrec DIR" in report
     assert "## Recommenders: sharded embedding tables, against torchrec" in (tmp_path / "B.md").read_text()

@@ -211,3 +211,27 @@ def test_lr_schedule_warms_up_linearly_then_decays_to_min_lr_ratio_on_the_last_s
         opt.step()
         scheduler.step()
     assert used == pytest.approx([2e-3 * f for f in cosine], rel=1e-12)
+
+
+def test_optimizer_kernels_follow_train_optimizer_impl_and_take_the_same_steps():
+    """train.optimizer_impl=fused builds AdamW's one-kernel update (foreach by default, and on the meta device where
+    the planner lays a model out); both give the same weights after a few steps."""
+    from scaletrain.train.optim import build_optimizer
+
+    def trained(impl: str) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = build_optimizer(model, TrainConfig(optimizer_impl=impl))
+        x = torch.randn(32, 8)
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return opt, [p.detach() for p in model.parameters()]
+
+    (foreach, a), (fused, b) = trained("foreach"), trained("fused")
+    assert foreach.defaults["foreach"] and not foreach.defaults["fused"] and fused.defaults["fused"]
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b, strict=True))
+    with torch.device("meta"):
+        meta = nn.Linear(4, 4)
+    assert not build_optimizer(meta, TrainConfig(optimizer_impl="fused")).defaults["fused"]

@@ -1,4 +1,5 @@
-"""AdamW with decoupled weight decay on matrices only, and the warmup + decay learning-rate schedule."""
+"""AdamW with decoupled weight decay on matrices only (foreach or fused kernels: train.optimizer_impl), and the warmup +
+decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     # only trainable weights (a LoRA base is frozen: no optimizer state); an empty group (LoRA's adapters are all
     # matrices) is left out: DCP's flattened optimizer state cannot load a group without parameters
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    kernels = {"fused": True} if cfg.optimizer_impl == "fused" and not _on_meta(groups) else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kernels)
+
+
+def _on_meta(groups: list[dict]) -> bool:
+    """A model laid out on the meta device (the planner's layout trace, train/layout_peak.py), where no fused kernel
+    runs: foreach's list ops stand for it."""
+    return any(p.device.type == "meta" for g in groups for p in g["params"])
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
