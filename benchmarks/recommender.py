@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> str:
     if a.torchrec_worker:
         _torchrec_worker(json.loads(a.torchrec_worker))
         return ""
-    from scaletrain.parallel.embedding import table_elements_per_rank
+    from scaletrain.config.table_sharding import table_elements_per_rank
 
     skip = _torchrec_missing(a.torchrec)
     variants = ("none", "row", "table", "table+fused")
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> str:
         rows = _table_rows(data)
         for rep in range(a.reps):
             for v in variants:
-                runs[v] += _train(a, work, data, f"{v}{rep}", v)
+                runs[v] += _train(a, work, data, f"{v.replace('+', '_')}{rep}", v)
             if skip is None:
                 got = _torchrec(a, work, data, rows, f"torchrec{rep}")
                 if "failed" in got:

@@ -62,6 +62,9 @@ JOBS = {
         "ep2_fsdp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2"],
         "ep2_hsdp2x2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2", "parallel.dp_replicate=2"],
         "hf_ep2_fsdp2_tp2": [*HF, "parallel.ep=2", "parallel.tp=2"],
+        # TP's token pieces inside pipeline stages and under context parallelism's sequence halves
+        "ep2_pp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2", "parallel.pp=2"],
+        "ep2_cp2_tp2": [*BASE, "parallel.ep=2", "parallel.tp=2", "parallel.cp=2"],
     },
 }
 

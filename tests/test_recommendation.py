@@ -72,7 +72,7 @@ def test_binned_auc_equals_the_exact_auc():
 
 
 def test_table_wise_sharding_balances_rows_largest_first():
-    from scaletrain.parallel.embedding import assign_tables, row_range
+    from scaletrain.config.table_sharding import assign_tables, row_range
 
     assert assign_tables([10, 1000, 30, 500, 600], 2) == [0, 0, 0, 1, 1]  # 1000 + 30 + 10 | 600 + 500
     assert assign_tables([5, 5, 5], 4) == [0, 1, 2]
@@ -276,10 +276,10 @@ def test_tables_export_as_safetensors_named_by_column(clean_run, tmp_path):
 
 def test_tables_larger_than_a_rank_are_refused_before_launch(clicks, monkeypatch):
     """The busiest rank's table states (16 bytes an element) against its memory: 8 GB of RAM over 2 CPU ranks."""
-    import scaletrain.hardware.detect as detect
-    from scaletrain.parallel.embedding import table_elements_per_rank
+    import scaletrain.resolve.checks as checks
+    from scaletrain.config.table_sharding import table_elements_per_rank
 
-    monkeypatch.setattr(detect, "host_memory_bytes", lambda: 8e9)
+    monkeypatch.setattr(checks, "host_memory_bytes", lambda: 8e9)
     assert table_elements_per_rank([100, 50, 7], 4, "row", 2) == (50 + 25 + 4) * 4
     assert table_elements_per_rank([100, 50, 7], 4, "table", 2) == 100 * 4  # 100 | 50 + 7
     assert table_elements_per_rank([100, 50, 7], 4, "none", 2) == 157 * 4
@@ -304,7 +304,7 @@ def test_plan_of_a_recommender_job_shards_its_tables(clicks, tmp_path):
     refused in one line."""
     import math
 
-    from scaletrain.parallel.embedding import table_elements_per_rank
+    from scaletrain.config.table_sharding import table_elements_per_rank
 
     job = ["task.name=recommendation", "model.name=dlrm-tiny", f"data.path={clicks}"]
     out = run_cli_in_process(["plan", *job, "parallel.embedding_sharding=table", "--gpus", "2", "--json"], tmp_path)

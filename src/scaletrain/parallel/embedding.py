@@ -31,9 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from scaletrain.config.table_sharding import SHARDINGS, assign_tables, row_range
 from scaletrain.parallel.expert import _AllToAll
-
-SHARDINGS = ("row", "table", "none")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -47,33 +46,6 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.factor, None
-
-
-def assign_tables(rows: list[int], ranks: int) -> list[int]:
-    """The owner rank of each table under table-wise sharding: largest tables first, each to the rank holding the
-    fewest rows so far (ties to the lower rank); the same on every rank."""
-    held = [0] * ranks
-    owner = [0] * len(rows)
-    for t in sorted(range(len(rows)), key=lambda t: (-rows[t], t)):
-        r = min(range(ranks), key=lambda k: (held[k], k))
-        owner[t], held[r] = r, held[r] + rows[t]
-    return owner
-
-
-def row_range(rows: int, ranks: int, rank: int) -> tuple[int, int]:
-    """The rows [start, end) rank `rank` holds of a table split row-wise: torch.chunk's (DTensor Shard(0)'s) cut."""
-    chunk = -(-rows // ranks)
-    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
-
-
-def table_elements_per_rank(rows: list[int], dim: int, how: str, ranks: int) -> int:
-    """Table elements the busiest rank holds under sharding `how` ("row", "table" or "none") over `ranks`."""
-    if how == "row" and ranks > 1:
-        return sum(row_range(n, ranks, 0)[1] for n in rows) * dim  # rank 0 holds torch.chunk's largest cut
-    if how == "table" and ranks > 1:
-        owner = assign_tables(rows, ranks)
-        return max(sum(n for n, o in zip(rows, owner, strict=True) if o == r) for r in range(ranks)) * dim
-    return sum(rows) * dim
 
 
 class ShardedEmbeddingTables(nn.Module):
@@ -171,18 +143,6 @@ def shard_embedding_tables(model: nn.Module, path: str, mesh, how: str, grad_ave
 
 def sharded_tables(model: nn.Module) -> list[ShardedEmbeddingTables]:
     return [m for m in model.modules() if isinstance(m, ShardedEmbeddingTables)]
-
-
-def table_traffic(modules: list[nn.Module]) -> dict[str, float]:
-    """The step's metric of sharded tables in `modules` (every rank calls it: one all-reduce): `table_a2a_bytes`, the
-    rows their all-to-alls sent between ranks in every forward since the last call (evaluation too), summed over
-    ranks; {} when the model has none."""
-    tables = [t for m in modules for t in sharded_tables(m)]
-    if not tables:
-        return {}
-    sent = torch.tensor([float(sum(t.take_bytes_sent() for t in tables))], dtype=torch.float64)
-    dist.all_reduce(sent, group=tables[0].group)
-    return {"table_a2a_bytes": float(sent.item())}
 
 
 def rank_local_params(model: nn.Module) -> list[nn.Parameter]:

@@ -119,7 +119,7 @@ class TableShape:
         return [(n, self.dim) for n in self.rows]
 
     def elements_per_rank(self, dp: int) -> int:
-        from scaletrain.parallel.embedding import table_elements_per_rank
+        from scaletrain.config.table_sharding import table_elements_per_rank
 
         return table_elements_per_rank(list(self.rows), self.dim, self.sharding if dp > 1 else "none", dp)
 
@@ -128,7 +128,7 @@ class TableShape:
         included): row-wise a partial row of every table for every rank's samples, table-wise its own tables'."""
         tables = len(self.rows)
         if self.sharding == "table":
-            from scaletrain.parallel.embedding import assign_tables
+            from scaletrain.config.table_sharding import assign_tables
 
             owner = assign_tables(list(self.rows), dp)
             tables = max(owner.count(r) for r in range(dp))

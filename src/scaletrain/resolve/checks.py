@@ -214,8 +214,7 @@ def check_embedding_memory(cfg: JobConfig, spec: ModelSpec, layout: Layout, worl
     path = spec.embedding_tables()
     if path is None:
         return
-    from scaletrain.hardware.detect import host_memory_bytes
-    from scaletrain.parallel.embedding import table_elements_per_rank
+    from scaletrain.config.table_sharding import table_elements_per_rank
     from scaletrain.parallel.runtime import pick_device_type
 
     tables: Any = spec.build("meta").get_submodule(path)  # names, rows, dim (ModelSpec.embedding_tables)
@@ -236,3 +235,13 @@ def check_embedding_memory(cfg: JobConfig, spec: ModelSpec, layout: Layout, worl
             f"(weights, gradients and AdamW states, {how} sharding over {layout.dp} rank(s)), more than "
             f"{where} ({have / 1e9:.1f} GB); use more ranks, embedding_sharding=row, or a lower model.max_rows"
         )
+
+
+def host_memory_bytes() -> float | None:
+    """This host's physical memory in bytes (POSIX sysconf; None where it does not say)."""
+    import os
+
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None

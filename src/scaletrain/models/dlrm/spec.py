@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from scaletrain.models.dlrm.args import DLRMArgs
 from scaletrain.models.dlrm.model import table_name
@@ -128,10 +128,18 @@ class DLRMSpec(ModelSpec):
         return TABLES
 
     def after_optimizer_step(self, modules: list[nn.Module]) -> dict[str, float]:
-        """The bytes of rows the sharded tables' all-to-alls sent between ranks (parallel/embedding.py)."""
-        from scaletrain.parallel.embedding import table_traffic
+        """`table_a2a_bytes`: the rows the tables' all-to-alls sent between ranks in every forward since the last
+        step (evaluation too; backward sends as many again), summed over ranks, when parallel.embedding_sharding
+        split them (parallel/embedding.py, whose tables count what they send); {} otherwise. Every rank calls it."""
+        import torch
+        import torch.distributed as dist
 
-        return table_traffic(modules)
+        tables: list[Any] = [m for part in modules for m in part.modules() if hasattr(m, "take_bytes_sent")]
+        if not tables:
+            return {}
+        sent = torch.tensor([float(sum(t.take_bytes_sent() for t in tables))], dtype=torch.float64)
+        dist.all_reduce(sent, group=tables[0].group)
+        return {"table_a2a_bytes": float(sent.item())}
 
     def example_inputs(self, samples: int) -> tuple[tuple[torch.Tensor, ...], dict]:
         """One micro-batch as the recommendation task feeds the forward: dense features and categorical ids; what
