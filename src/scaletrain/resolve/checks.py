@@ -110,18 +110,12 @@ def check_expert_parallel(spec: ModelSpec, layout: Layout) -> None:
 
 def check_experts_under_tp(spec: ModelSpec, layout: Layout) -> None:
     """Under TP each rank routes a piece of the tokens through whole experts (models/moe/parallelize.py), so the
-    experts' gradients are summed over the TP ranks by FSDP2 (parallel/dims.py expert_fsdp_mesh): that needs FSDP,
-    and it is proven without pipelines and context parallelism."""
+    experts' gradients are summed over the TP ranks by FSDP2 (parallel/dims.py expert_fsdp_mesh): that needs FSDP."""
     if layout.dp_shard < 2:
         raise ValueError(
             f"parallel.tp: {spec.model_name}'s experts take a piece of the tokens on each TP rank and FSDP sums "
             f"their gradients over them; shard with parallel.dp_shard >= 2 (got {layout.dp_shard}) or use "
             f"parallel.tp=1"
-        )
-    if layout.pp > 1 or layout.cp > 1:
-        raise ValueError(
-            f"parallel.tp: {spec.model_name}'s experts under TP are not combined with pipelines or context "
-            f"parallelism yet; use parallel.tp=1, or parallel.pp=1 and parallel.cp=1"
         )
 
 
