@@ -37,8 +37,9 @@ FOOTER = (
     "Step times come from CPU cores shared with other jobs: read the ratios, not the seconds. The tables are "
     "updated by a dense AdamW in scaletrain (every row each step) and by fbgemm's fused row-wise Adagrad (its CPU kernel has no Adam) on the rows a batch "
     "touched in torchrec, so the torchrec row is the reference implementation's speed, not the same arithmetic. "
-    "On CPU ranks the monitor's peak memory is the process's peak RSS over its whole life (interpreter and torch "
-    "included)."
+    "torchrec's step is timed around its forward, backward and optimizer steps (a barrier before and after); "
+    "scaletrain's is the trainer's whole step (its data, forward, backward, optimizer and metrics). On CPU ranks "
+    "the monitor's peak memory is the process's peak RSS over its whole life (interpreter and torch included)."
 )
 
 
