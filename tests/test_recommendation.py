@@ -334,3 +334,73 @@ def test_recommender_benchmark_runs(tmp_path):
                                "--batch", "64", "--markdown", str(tmp_path / "B.md")])  # fmt: skip
     assert "| row |" in report and "| table+fused |" in report and "torchrec: not run: give --torchrec DIR" in report
     assert "## Recommenders: sharded embedding tables, against torchrec" in (tmp_path / "B.md").read_text()
+
+
+def _tables_worker(rank: int, world: int, port: int, out) -> None:
+    """Both shardings of a 2-table DLRM on `world` ranks against the unsharded model: outputs of each rank's samples,
+    and every gradient (the MLPs' averaged over ranks as data parallelism does, the tables' gathered)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from scaletrain.models.dlrm import DLRMArgs, DLRMSpec
+    from scaletrain.parallel.embedding import broadcast_tables, shard_embedding_tables
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        spec = DLRMSpec(DLRMArgs(embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,))).with_data(3, ["a", "b"], [7, 2])
+        ref = spec.build("cpu")
+        spec.init_weights(ref, 0)
+        gen = torch.Generator().manual_seed(1)
+        dense, ids = torch.randn(3 * world, 3, generator=gen), torch.randint(0, 1000, (3 * world, 2), generator=gen)
+        want = ref(dense, ids)
+        want.sum().backward()
+        mine = slice(3 * rank, 3 * rank + 3)
+        worst = {}
+        for how in ("row", "table"):
+            model = spec.build("meta")
+            tables = shard_embedding_tables(model, "embeddings", mesh, how, world)
+            model.to_empty(device="cpu")
+            spec.init_weights(model, 0)
+            got = model(dense[mine], ids[mine])
+            (got.sum() * world).backward()  # the trainer scales the local loss by the data-parallel degree
+            diffs = [(got - want[mine]).abs().max().item()]
+            for name, p in model.named_parameters():
+                grad = p.grad
+                if isinstance(grad, DTensor):
+                    grad = grad.full_tensor()
+                elif not name.startswith("embeddings."):
+                    dist.all_reduce(grad)
+                    grad = grad / world
+                diffs.append((grad - ref.get_parameter(name).grad).abs().max().item())
+            held = sorted(n for n, _ in tables.named_parameters())
+            whole = dict(broadcast_tables(model))
+            if how == "table":
+                diffs += [(t - ref.get_parameter(n).detach()).abs().max().item() for n, t in whole.items()]
+            worst[how] = (max(diffs), held, sorted(whole))
+        out.put((rank, worst))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # three gloo processes
+def test_sharded_tables_equal_unsharded_with_a_rank_holding_none():
+    """3 ranks, 2 tables of 7 and 2 rows: row-wise the third rank holds none of the second table's rows, table-wise
+    it holds no table at all; outputs and gradients equal the unsharded model's, and nothing hangs."""
+    import torch.multiprocessing as mp
+
+    from scaletrain.launch.local import free_port
+
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_tables_worker, args=(3, free_port(), q), nprocs=3, join=True, start_method="spawn")
+    got = dict(q.get() for _ in range(3))
+    for rank, worst in got.items():
+        for how, (diff, _, _) in worst.items():
+            assert diff < 1e-6, (rank, how, diff)
+    assert [got[r]["table"][1] for r in range(3)] == [["tables.a.weight"], ["tables.b.weight"], []]
+    tables = ["embeddings.tables.a.weight", "embeddings.tables.b.weight"]
+    assert all(got[r]["table"][2] == tables for r in range(3))  # broadcast to every rank from its owner

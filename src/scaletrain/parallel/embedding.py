@@ -112,8 +112,8 @@ class ShardedEmbeddingTables(nn.Module):
         everyone = gathered % rows  # the hashing trick, as EmbeddingTables does
         if self.mine:
             looked = torch.stack([self._lookup(t, everyone[:, t]) for t in self.mine], dim=1)  # (ranks·b, n, D)
-        else:
-            looked = everyone.new_zeros((self.ranks * b, 0, self.dim), dtype=torch.float32)
+        else:  # a rank holding no table (more ranks than tables) still takes part in the backward's all-to-all
+            looked = everyone.new_zeros((self.ranks * b, 0, self.dim), dtype=torch.float32).requires_grad_()
         send = [b * len(self.mine)] * self.ranks
         recv = [b * n for n in self.sent_by]
         arrived = _AllToAll.apply(looked.reshape(-1, self.dim), recv, send, self.group)
