@@ -12,7 +12,6 @@ current one computes (decoding is a pure function of the position, so prefetchin
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.images import ImageShards, Pixels
-from scaletrain.data.prefetch import StepPrefetch
+from scaletrain.data.position import PositionedLoader
 
 
 @dataclass
@@ -29,7 +28,7 @@ class ImageBatch:
     labels: torch.Tensor  # (b,) int64
 
 
-class ImageLoader:
+class ImageLoader(PositionedLoader[list[ImageBatch]]):
     """This data-parallel rank's micro-batches of decoded images, step after step."""
 
     trained_only = False  # every label is trained
@@ -47,32 +46,12 @@ class ImageLoader:
         workers: int = 2,
         prefetch: int = 0,
     ):
-        if global_batch % (micro_batch * dp_size):
-            raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x "
-                             f"data-parallel degree {dp_size}")  # fmt: skip
+        super().__init__(global_batch, micro_batch, dp_rank, dp_size, seed, shuffle, prefetch)
         self.shards, self.pixels = shards, pixels
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.consumed_samples = 0
-        self.prefetch = prefetch
-        self._orders: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
         self._decoders = ThreadPoolExecutor(max(1, workers), thread_name_prefix="scaletrain-decode")
-        self._ahead = StepPrefetch(self._step_at, global_batch, prefetch)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        with self._lock:  # the prefetch thread and the step may both ask
-            order = self._orders.get(epoch)
-            if order is None:
-                if len(self._orders) > 2:  # keep only recent epochs mapped
-                    self._orders.clear()
-                order = self._orders[epoch] = self.shards.order(self.seed, epoch, self.shuffle)
-            return order
+        return self._cached_order(epoch, lambda: self.shards.order(self.seed, epoch, self.shuffle))
 
     def sample_ids(self, start: int, count: int) -> list[int]:
         """Dataset samples at stream positions [start, start + count), in order."""
@@ -99,23 +78,8 @@ class ImageLoader:
             batches.append(ImageBatch(pixels, torch.tensor([label for _, label in chunk], dtype=torch.int64)))
         return batches
 
-    def next_step(self) -> list[ImageBatch]:
-        """This rank's micro-batches for the next optimizer step."""
-        batches = self._ahead.take(self.consumed_samples)
-        self.consumed_samples += self.global_batch
-        return batches
-
     def close(self) -> None:
         """Stop the prefetch and decoding threads (pending reads are dropped)."""
         self._ahead.close(wait=True)
         self._decoders.shutdown(wait=True, cancel_futures=True)
         self.shards.close()
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
-        self.seed = int(state["seed"])
-        self._orders.clear()
-        self._ahead.drop()

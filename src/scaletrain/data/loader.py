@@ -20,7 +20,6 @@ step gets).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from scaletrain.config.schema import DataConfig
 from scaletrain.data.mix import MixSchedule
 from scaletrain.data.order import cached_permutation
 from scaletrain.data.packing import PackedDocuments, Rows
-from scaletrain.data.prefetch import StepPrefetch
+from scaletrain.data.position import PositionedLoader
 from scaletrain.data.sources import open_datasets
 from scaletrain.data.stream import TokenStream
 from scaletrain.models.loss import IGNORE_INDEX
@@ -120,7 +119,7 @@ def trained_only(dataset: Dataset) -> bool:
     return dataset.stream.has_mask or isinstance(dataset, PackedDocuments)
 
 
-class DistributedLoader:
+class DistributedLoader(PositionedLoader[list[Batch]]):
     """This data-parallel rank's micro-batches, step after step, from one dataset or several mixed by `weights`."""
 
     def __init__(
@@ -135,41 +134,18 @@ class DistributedLoader:
         weights: list[float] | None = None,
         prefetch: int = 0,
     ):
-        if global_batch % (micro_batch * dp_size):
-            raise ValueError(
-                f"global batch {global_batch} is not a multiple of micro batch {micro_batch} "
-                f"x data-parallel degree {dp_size}"
-            )
+        super().__init__(global_batch, micro_batch, dp_rank, dp_size, seed, shuffle, prefetch)
         self.datasets: list[Dataset] = windows if isinstance(windows, list) else [windows]
         self.windows = self.datasets[0]
         self.trained_only = any(trained_only(d) for d in self.datasets)  # every batch of the loader counts alike
         self.mix = MixSchedule(weights or [1.0] * len(self.datasets))
         if len(self.mix.quotas) != len(self.datasets):
             raise ValueError(f"{len(self.datasets)} datasets but {len(self.mix.quotas)} weights")
-        self.global_batch = global_batch
-        self.micro_batch = micro_batch
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.consumed_samples = 0
-        self.prefetch = prefetch
-        self._orders: dict[tuple[int, int], np.ndarray] = {}
-        self._lock = threading.Lock()
-        self._ahead = StepPrefetch(self._step_at, global_batch, prefetch)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp_size)
 
     def _order(self, k: int, epoch: int) -> np.ndarray:
-        with self._lock:  # the prefetch thread and the step may both ask
-            order = self._orders.get((k, epoch))
-            if order is None:
-                if len(self._orders) > 2 * len(self.datasets):  # keep only recent epochs mapped
-                    self._orders.clear()
-                order = self._orders[(k, epoch)] = self.datasets[k].order(self.seed, epoch, self.shuffle)
-            return order
+        return self._cached_order(
+            (k, epoch), lambda: self.datasets[k].order(self.seed, epoch, self.shuffle), keep=2 * len(self.datasets)
+        )
 
     def sample_ids(self, start: int, count: int) -> list[tuple[int, int]]:
         """(dataset, sample) of global samples [start, start + count), in order."""
@@ -199,24 +175,9 @@ class DistributedLoader:
             batches.append(_batch(out, self.trained_only))
         return batches
 
-    def next_step(self) -> list[Batch]:
-        """This rank's micro-batches for the next optimizer step."""
-        batches = self._ahead.take(self.consumed_samples)
-        self.consumed_samples += self.global_batch
-        return batches
-
     def close(self) -> None:
         """Stop the prefetch thread (pending reads are dropped)."""
         self._ahead.close(wait=False)
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
-        self.seed = int(state["seed"])
-        self._orders.clear()
-        self._ahead.drop()
 
 
 def samples_of(stream: TokenStream, cfg: DataConfig, cache_dir: Path | None, name: str) -> Dataset:

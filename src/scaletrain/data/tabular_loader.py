@@ -11,7 +11,6 @@ per array (the page cache serves them in file order), then put back in stream or
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from scaletrain.data.order import cached_permutation
-from scaletrain.data.prefetch import StepPrefetch
+from scaletrain.data.position import PositionedLoader
 from scaletrain.data.tabular import TabularDataError, open_split, read_tabular_manifest
 
 
@@ -30,7 +29,7 @@ class TabularBatch:
     labels: torch.Tensor  # (b,) float32, 0 or 1
 
 
-class TabularLoader:
+class TabularLoader(PositionedLoader[list[TabularBatch]]):
     """This data-parallel rank's micro-batches of one split of a prepared tabular folder, step after step.
 
     cache_dir: where the epochs' orders are kept (None: data/sources.py's cache_folder of `folder`, i.e. beside the
@@ -51,37 +50,17 @@ class TabularLoader:
         prefetch: int = 0,
         cache_dir: Path | None = None,
     ):
-        if global_batch % (micro_batch * dp_size):
-            raise ValueError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x "
-                             f"data-parallel degree {dp_size}")  # fmt: skip
         from scaletrain.data.sources import cache_folder
 
+        super().__init__(global_batch, micro_batch, dp_rank, dp_size, seed, shuffle, prefetch)
         self.folder, self.split = Path(folder), split
         self.manifest = read_tabular_manifest(folder)
         self.dense, self.sparse, self.labels = open_split(folder, split)
         self.num_samples = len(self.labels)
         self.cache_dir = cache_dir if cache_dir is not None else cache_folder(self.folder, None)
-        self.global_batch, self.micro_batch = global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed, self.shuffle = seed, shuffle
-        self.consumed_samples = 0
-        self.prefetch = prefetch
-        self._orders: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
-        self._ahead = StepPrefetch(self._step_at, global_batch, prefetch)
-
-    @property
-    def accumulation_steps(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        with self._lock:  # the prefetch thread and the step may both ask
-            order = self._orders.get(epoch)
-            if order is None:
-                if len(self._orders) > 2:  # keep only recent epochs mapped
-                    self._orders.clear()
-                order = self._orders[epoch] = cached_permutation(self.cache_dir, self.num_samples, self.seed, epoch)
-            return order
+        return self._cached_order(epoch, lambda: cached_permutation(self.cache_dir, self.num_samples, self.seed, epoch))
 
     def sample_ids(self, start: int, count: int) -> np.ndarray:
         """Rows (int64) at stream positions [start, start + count), in order."""
@@ -111,21 +90,6 @@ class TabularLoader:
         return [TabularBatch(dense[m : m + self.micro_batch], sparse[m : m + self.micro_batch],
                              labels[m : m + self.micro_batch]) for m in range(0, per_rank, self.micro_batch)]  # fmt: skip
 
-    def next_step(self) -> list[TabularBatch]:
-        """This rank's micro-batches for the next optimizer step."""
-        batches = self._ahead.take(self.consumed_samples)
-        self.consumed_samples += self.global_batch
-        return batches
-
     def close(self) -> None:
         """Stop the prefetch thread (pending reads are dropped)."""
         self._ahead.close(wait=True)
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
-        self.seed = int(state["seed"])
-        self._orders.clear()
-        self._ahead.drop()
