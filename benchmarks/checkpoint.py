@@ -23,6 +23,7 @@ group, and restore, which splits it; the same run's first start (launch to the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -367,6 +368,8 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
         f"train.steps={a.kill_at + 100}",
         "monitor.log_interval=1",
         f"checkpoint.interval_steps={a.interval}",
+        f"checkpoint.memory_interval_steps={a.memory_interval}",
+        *a.set,
         "launch.max_restarts=1",
         f"launch.restart={mode}",
         "train.eval_interval=0",
@@ -516,6 +519,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-bytes", type=int, default=300_000, help="stdlib text read as the token stream")
     ap.add_argument("--recovery-model", default="small", help="model of the recovery runs (preset[:overrides])")
     ap.add_argument("--interval", type=int, default=5, help="recovery: checkpoint.interval_steps")
+    ap.add_argument(
+        "--memory-interval", type=int, default=0, help="recovery: checkpoint.memory_interval_steps (0: none)"
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="recovery: one more config override (repeat)"
+    )
     ap.add_argument("--kill-at", type=int, default=13, help="recovery: SIGKILL once this step is logged")
     ap.add_argument("--kill-rank", type=int, default=1, choices=[0, 1])
     ap.add_argument(
@@ -525,6 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     ap.add_argument("--markdown", type=Path, help=f"also write the tables into this file's '{SECTION}' section")
     ap.add_argument("--note", default="", help="a line for the report, e.g. what else ran on the machine")
+    ap.add_argument("--keep", type=Path, help="work in this new folder and keep it (run folders, logs)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # a rank of the stall/throughput launch
     a = ap.parse_args(argv)
     a.parts = a.parts.split(",")
@@ -557,7 +567,12 @@ def main(argv: list[str] | None = None) -> None:
         "PYTHONPATH": os.pathsep.join(p for p in (str(PROBE), os.environ.get("PYTHONPATH")) if p),
     }
     report, load = [], os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="scaletrain-ckpt-bench-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if a.keep:  # the runs' folders and logs stay for reading
+            a.keep.mkdir(parents=True, exist_ok=False)
+            tmp = str(a.keep)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="scaletrain-ckpt-bench-"))
         if "stall" in a.parts:
             print("stall and throughput: one launch, every model", file=sys.stderr, flush=True)
             results = run_worker(a, Path(tmp), env)

@@ -1,6 +1,7 @@
 """In-memory snapshots (checkpoint.memory_interval_steps): a rank SIGKILLed right after a snapshot, long after the
 last disk checkpoint, resumes from host memory and loses no step — the final weights and every step's loss equal an
-unkilled run's, bit for bit — and a finished run frees the snapshot."""
+unkilled run's, bit for bit — and a finished run frees the snapshot. The snapshot's own format (each rank's shards
+in one file, read back only into the layout that wrote it) is checked in one process first."""
 
 import json
 import os
@@ -17,7 +18,9 @@ import torch
 from conftest import losses, run_cli
 from test_checkpoint import _workers
 from scaletrain.checkpoint.export import load_full_model_state
-from scaletrain.checkpoint.memory import snapshot_root
+from scaletrain.checkpoint import CheckpointManager
+from scaletrain.checkpoint.memory import SNAPSHOT_DIR_ENV, snapshot_root
+from scaletrain.config.schema import CheckpointConfig
 from scaletrain.config import ConfigError, load_config
 from scaletrain.monitor.faults import ENV as FAULTS
 
@@ -74,6 +77,53 @@ def assert_same_final_weights(run: Path, ref: Path, steps: int) -> None:
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def _trained(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _snapshots(root: Path, layout: str = "none") -> CheckpointManager:
+    cfg = CheckpointConfig(async_save=False, keep=0, memory_interval_steps=1)
+    return CheckpointManager(cfg, root, 0, 1, {"layout": layout, "world_size": 1})
+
+
+def test_snapshot_is_one_file_per_rank_and_restores_model_and_optimizer_exactly(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(SNAPSHOT_DIR_ENV, str(tmp_path / "shm"))
+    root = tmp_path / "checkpoints"
+    model, opt = _trained(0)
+    _snapshots(root).save(2, *_trained(1), {"loader": {}})  # an older disk checkpoint of other weights
+    _snapshots(root).snapshot(5, model, opt, {"loader": {"position": 7}})
+    snap = snapshot_root(root) / "step_00000005"
+    assert sorted(p.name for p in snap.iterdir()) == ["rank0.pt", "rng_rank0.json", "snapshot.json", "trainer.json"]
+
+    fresh, fresh_opt = _trained(2)
+    restored = _snapshots(root).restore(fresh, fresh_opt)
+    assert restored is not None and restored.step == 5 and restored.path == snap
+    assert restored.trainer_state["loader"] == {"position": 7}
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for i, state in want["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, got["state"][i][k]), (i, k)
+
+    # taken by another layout: the disk checkpoint (older) is what this one loads, and the log says why
+    with caplog.at_level("WARNING", logger="scaletrain"):
+        other = _snapshots(root, layout="fsdp (dp_shard=1)").restore(*_trained(3))
+    assert other is not None and other.step == 2
+    assert "taken by none on 1 rank(s), this run is fsdp (dp_shard=1) on 1" in caplog.text
+
+    (snap / "rank0.pt").unlink()  # a rank's file missing: not a snapshot to resume from
+    assert _snapshots(root).restore(*_trained(3)).step == 2
 
 
 def test_memory_snapshots_refuse_several_nodes_in_one_line():

@@ -16,7 +16,7 @@ from conftest import losses, run_cli
 from test_checkpoint_memory import _snapshot_step, assert_same_final_weights, start_slow_train
 from test_checkpoint_memory import wait_while_running
 from scaletrain.config import ConfigError, load_config
-from scaletrain.train.inprocess import frozen_ranks
+from scaletrain.train.inprocess import frozen_ranks, warm_up
 from scaletrain.train.watchdog import Watchdog, read_heartbeats
 
 STEPS = 14  # room for a kill, a recovery, a freeze and a second recovery
@@ -67,6 +67,75 @@ def test_launcher_judges_frozen_only_a_live_training_record_of_this_generation_a
     assert frozen_ranks([beat], {0: pid}, 1, now, 5.0) == []  # a record of an earlier generation
     assert frozen_ranks([beat], {0: pid + 1}, 0, now, 5.0) == []  # another process held the rank then
     assert frozen_ranks([beat], {1: pid}, 0, now, 5.0) == []  # rank 0 is done or dead: not judged
+
+
+WARM_UPS = """
+import json, sys
+import torch
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from scaletrain.config import load_config
+from scaletrain.train.inprocess import forget_mesh_caches, warm_up
+
+computed = [0]
+real = ShardingPropagator.propagate_op_sharding_non_cached
+def counted(self, *args, **kwargs):
+    computed[0] += 1
+    return real(self, *args, **kwargs)
+ShardingPropagator.propagate_op_sharding_non_cached = counted
+cfg = load_config(None, sys.argv[1:])
+rng = torch.get_rng_state()
+out = []
+for rank, forget in ((1, False), (1, False), (0, True)):
+    if forget:
+        forget_mesh_caches()
+    computed[0] = 0
+    out.append([warm_up(cfg, 2, rank), computed[0], torch.equal(torch.get_rng_state(), rng)])
+print(json.dumps(out))
+"""
+
+
+def test_spare_warm_up_computes_what_a_replacement_would_compute_first_and_leaves_no_trace(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    import torch.distributed as dist
+
+    # a fresh interpreter: the DTensor sharding rules the 2-rank FSDP step needs are computed by the first warm-up
+    # (as rank 1); the second (as the replacement's first real step would) finds them all cached; a spare that
+    # takes rank 0 forgets the rank-1 mesh's entries, and computes them again
+    args = [*JOB, "model.name=tiny", "model.n_layers=1", "run.name=warm"]
+    got = subprocess.run(
+        [sys.executable, "-c", WARM_UPS, *args], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    (first, rules, kept), (second, again, _), (third, after_forget, _) = json.loads(got.stdout.splitlines()[-1])
+    assert first == second == third == "" and kept
+    assert rules > 20 and again == 0 and after_forget == rules, (rules, again, after_forget)
+    assert not (tmp_path / "runs").exists()  # nothing written into the run folder
+    monkeypatch.setattr("scaletrain.parallel.runtime.pick_device_type", lambda device: "cuda")
+    assert "cuda job" in warm_up(load_config(None, args), 2, 1) and not dist.is_initialized()
+
+
+def test_launcher_gives_a_dead_rank_the_spare_that_warmed_up_as_it():
+    from types import SimpleNamespace
+
+    from scaletrain.launch.inprocess import _Group, _Worker
+
+    group = _Group(None, 4, "127.0.0.1", 0, None)  # type: ignore[arg-type]
+    alive = SimpleNamespace(is_alive=lambda: True, pid=1)
+    dead = SimpleNamespace(is_alive=lambda: False, pid=2)
+    assert group.next_warm_rank() == 3 and group.spare_for(0) is None
+    group.workers = [
+        _Worker(0, alive, rank=0),  # type: ignore[arg-type]
+        _Worker(1, alive, warm_rank=3),  # type: ignore[arg-type]
+        _Worker(2, dead, warm_rank=2),  # type: ignore[arg-type]  a spare that died covers nothing
+        _Worker(3, alive, orders=1, warm_rank=1),  # type: ignore[arg-type]  ordered once: a rank now, or stopped
+        _Worker(4, alive, warm_rank=1),  # type: ignore[arg-type]
+    ]
+    assert [w.slot for w in group.spares()] == [1, 4]
+    assert group.spare_for(1).slot == 4 and group.spare_for(3).slot == 1
+    assert group.spare_for(0).slot == 1  # none warmed up as rank 0: the first spare (it forgets its mesh caches)
+    assert group.next_warm_rank() == 2
 
 
 @pytest.mark.slow  # an unkilled launch, and one launch whose rank 0 is killed, then rank 1 frozen, each replaced

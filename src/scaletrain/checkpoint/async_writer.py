@@ -10,8 +10,10 @@
 3. Commit: rank 0 commits in a background thread once its write finished; DCP's coordinator finishes only after
    every rank reported its files written, so no barrier is needed on the step path.
 
-The writer process is spawned, and its gloo group formed, when the manager opens (all ranks together), so the
-first save does not wait for it either.
+The writer process is spawned, and its gloo group formed, in the background when the manager opens (all ranks
+together), so the first save does not wait for it either; or, with start=False, when `start()` is called (the
+trainer calls it after the run's first step, so that a restart's first step does not share the host's cores with
+the writer's imports), at the latest by the first save.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class AsyncWriter:
     """Starts async DCP saves; owns the stager, the gloo group of the saves' collectives and (process mode) the
     writer process. `staging_wait_s`: seconds the training thread waited for staging copies, summed."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, start: bool = True):
         distributed = dist.is_initialized()
         # a process writer needs the process group's ranks to form its own: without one, a thread writes
         self.mode = mode if distributed else "thread"
@@ -57,11 +59,20 @@ class AsyncWriter:
         self._owns_process = False
         self._closed = False
         self._starting: threading.Thread | None = None
+        self._started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Spawn the writer process in the background (it imports torch and forms a gloo group: seconds); a
+        collective on the first call (every rank calls it at the same point), nothing after it or in thread mode."""
+        if self._started or self._closed:
+            return
+        self._started = True
         if self.mode == "process":
             self._start_process()
 
     def _start_process(self) -> None:
-        """Spawn the writer process in the background (it imports torch and forms a gloo group: seconds)."""
         if process_executor._CHECKPOINT_PROCESS is not None:
             return  # another manager of this process started one (the benchmark's pair)
         info = process_executor._ProcessGroupInitInfo(self._group)  # a broadcast: every rank takes part, now
@@ -85,6 +96,7 @@ class AsyncWriter:
     def write(self, state: dict, checkpoint_id: str, optimizer: torch.optim.Optimizer) -> Future:
         """Stage `state` in the background and write it to `checkpoint_id`; returns the write's future. The
         optimizer's next step waits for the staging copy."""
+        self.start()  # a writer started later than its manager opened: at the first save at the latest
         self.ready()  # the first save only, and only if the writer process is still starting
         kind = AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
         response = dcp.async_save(

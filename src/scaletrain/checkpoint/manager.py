@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from scaletrain.checkpoint.async_writer import AsyncWriter
-from scaletrain.checkpoint.memory import MemorySnapshots
+from scaletrain.checkpoint.memory import SNAPSHOT_INFO, MemorySnapshots, rank_file
 from scaletrain.checkpoint.manifest import (
     commit,
     list_checkpoints,
@@ -103,6 +104,36 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict, dict[str, str], dict[str
     return ({k: model_sd[v] for k, v in m_back.items()}, {k: optim_sd[v] for k, v in o_back.items()}, m_back, o_back)
 
 
+def _local_values(sd: dict) -> dict:
+    """A state dict with each DTensor replaced by the shard this rank holds (what a memory snapshot keeps)."""
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+
+def _fill_local(state: dict, saved: dict, path: Path) -> None:
+    """Copy a memory snapshot's shards (_local_values, this rank's file) into `state`'s tensors, which this same
+    layout built: the same keys, each shard the same shape; plain values are taken as saved."""
+    for part, sd in state.items():
+        held = saved[part]
+        if held.keys() != sd.keys():
+            missing, extra = sorted(sd.keys() - held.keys()), sorted(held.keys() - sd.keys())
+            raise RuntimeError(
+                f"memory snapshot {path}: its {part} keys differ from this run's (missing {missing[:3]}, "
+                f"unexpected {extra[:3]}); remove {path.parent} to resume from the disk checkpoints"
+            )
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                target = v.to_local() if isinstance(v, DTensor) else v
+                if target.shape != held[k].shape:
+                    raise RuntimeError(
+                        f"memory snapshot {path}: {part} {k} holds a {tuple(held[k].shape)} shard, this rank's is "
+                        f"{tuple(target.shape)}; remove {path.parent} to resume from the disk checkpoints"
+                    )
+                with torch.no_grad():
+                    target.copy_(held[k])
+            else:
+                sd[k] = held[k]
+
+
 @dataclass(frozen=True)
 class Restored:
     """What a resume loaded: the trainer's own state and where it came from."""
@@ -120,7 +151,9 @@ def _barrier() -> None:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, info: dict):
+    def __init__(
+        self, cfg: CheckpointConfig, root: Path, rank: int, world_size: int, info: dict, start_writer: bool = True
+    ):
         self.cfg = cfg
         self.root = root
         self.rank = rank
@@ -133,7 +166,7 @@ class CheckpointManager:
         self._writer: AsyncWriter | None = None
         self._committer: ThreadPoolExecutor | None = None
         if cfg.async_save and self.enabled:
-            self._writer = AsyncWriter(cfg.async_writer)
+            self._writer = AsyncWriter(cfg.async_writer, start=start_writer)
             if rank == 0:
                 self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scaletrain-ckpt-commit")
         self.memory = MemorySnapshots(root, cfg.memory_interval_steps) if cfg.memory_interval_steps > 0 else None
@@ -186,6 +219,11 @@ class CheckpointManager:
     def _commit_when_written(self, write: Future, partial: Path, final: Path, step: int) -> None:
         write.result()
         self._commit_files(partial, final, step)
+
+    def start_writer(self) -> None:
+        """Start the async writer of a manager opened with start_writer=False (a collective on the first call)."""
+        if self._writer is not None:
+            self._writer.start()
 
     def writer_ready(self) -> float:
         """Block until the async writer process is up (it starts when the manager opens); returns seconds waited."""
@@ -251,8 +289,8 @@ class CheckpointManager:
         return self.memory is not None and self.memory.due(step)
 
     def snapshot(self, step: int, model, optimizer, trainer_state: dict) -> None:
-        """Keep `step`'s state in host memory (checkpoint.memory_interval_steps; memory.py), synchronously: a copy
-        into tmpfs, no checksums."""
+        """Keep `step`'s state in host memory (checkpoint.memory_interval_steps; memory.py), synchronously: each rank
+        writes the shards it holds to its own tmpfs file, no checksums, no collective but the closing barrier."""
         assert self.memory is not None
         partial = self.memory.partial(step)
         partial.mkdir(parents=True, exist_ok=True)
@@ -260,18 +298,37 @@ class CheckpointManager:
         (partial / f"rng_rank{self.rank}.json").write_text(json.dumps(_rng_state()))
         if self.rank == 0:
             (partial / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-            (partial / "snapshot.json").write_text(json.dumps({**self.info, "step": step}))
-        # every rank's files (the rng files were written first) are on tmpfs once DCP's closing collective returns
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+            (partial / SNAPSHOT_INFO).write_text(json.dumps({**self.info, "step": step}))
+        local = {"model": _local_values(model_sd), "optim": _local_values(optim_sd)}
+        torch.save(local, partial / rank_file(self.rank))
+        _barrier()  # every rank's file is on tmpfs
         if self.rank == 0:
             self.memory.commit(step)
+
+    def _snapshot_fits(self, path: Path) -> bool:
+        """Rank 0: was the snapshot at `path` taken by this layout and world size (the only ones it loads into)?"""
+        saved = json.loads((path / SNAPSHOT_INFO).read_text())
+        here = {k: self.info.get(k) for k in ("layout", "world_size")}
+        if {k: saved.get(k) for k in here} == here:
+            return True
+        log.warning(
+            "checkpoint: the host-memory snapshot of step %s was taken by %s on %s rank(s), this run is %s on %s: "
+            "resuming from the disk checkpoints instead",
+            saved.get("step"),
+            saved.get("layout"),
+            saved.get("world_size"),
+            here["layout"],
+            here["world_size"],
+        )
+        return False
 
     def _newest(self) -> tuple[int, bool]:
         """Rank 0: the step to resume from and whether it is a memory snapshot; (-1, False) when there is none.
         A snapshot newer than the newest disk checkpoint wins, without reading the disk one's checksums."""
         snap = self.memory.newest() if self.memory is not None else None
         on_disk = list_checkpoints(self.root)
-        if snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1])):
+        newer = snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1]))
+        if snap is not None and newer and self._snapshot_fits(snap[1]):
             return snap[0], True
         path = self.latest_good()
         if path is None:
@@ -297,7 +354,10 @@ class CheckpointManager:
             path = self.root / step_dir_name(int(step[0].item()))
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        load_dcp(state, path)
+        if step[1].item():
+            _fill_local(state, torch.load(path / rank_file(self.rank), weights_only=True, mmap=True), path)
+        else:
+            load_dcp(state, path)
         set_state_dict(
             model,
             optimizer,
@@ -306,7 +366,7 @@ class CheckpointManager:
             options=_load_options(model),
         )
         trainer = json.loads((path / "trainer.json").read_text())
-        manifest = json.loads((path / ("snapshot.json" if step[1].item() else "manifest.json")).read_text())
+        manifest = json.loads((path / (SNAPSHOT_INFO if step[1].item() else "manifest.json")).read_text())
         rng = path / f"rng_rank{self.rank}.json"
         if manifest.get("world_size") == self.world_size and rng.is_file():
             _set_rng_state(json.loads(rng.read_text()))

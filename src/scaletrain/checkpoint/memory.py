@@ -1,8 +1,14 @@
-"""In-memory snapshots (`checkpoint.memory_interval_steps`): every N steps each rank writes its shard of the model
-and optimizer (DCP, as a disk checkpoint) into host memory, a tmpfs folder (/dev/shm by default; another with
-$SCALETRAIN_SNAPSHOT_DIR). It outlives the worker processes, so when the torchrun agent restarts the ranks after a
-failure they resume from it if it is newer than the newest disk checkpoint, losing at most N steps instead of
-checkpoint.interval_steps. Durable checkpoints stay as they are; only the newest snapshot is kept.
+"""In-memory snapshots (`checkpoint.memory_interval_steps`): every N steps each rank writes its own shard of the
+model and optimizer into host memory, a tmpfs folder (/dev/shm by default; another with $SCALETRAIN_SNAPSHOT_DIR).
+It outlives the worker processes, so when the ranks restart after a failure (the torchrun agent's new round, or an
+in-process restart's new generation) they resume from it if it is newer than the newest disk checkpoint, losing at
+most N steps instead of checkpoint.interval_steps. Durable checkpoints stay as they are; only the newest snapshot is
+kept.
+
+A snapshot is not a DCP checkpoint: each rank writes its local tensors (the DTensor shards it holds, keyed as the
+checkpoint keys them) to one file, `rank<r>.pt`, with no collective planning, and reads back only its own file. So a
+restart reads it only into the layout and world size that wrote it (snapshot.json records both); a run resumed in
+another layout takes the newest disk checkpoint, which DCP reshards.
 
 A snapshot is committed by renaming its folder; a marker in the disk checkpoint folder (`memory.json`) names it, so a
 run folder deleted or started afresh never resumes from a stale snapshot of an earlier run. A successful run removes
@@ -20,6 +26,12 @@ from pathlib import Path
 
 SNAPSHOT_DIR_ENV = "SCALETRAIN_SNAPSHOT_DIR"
 MARKER = "memory.json"
+SNAPSHOT_INFO = "snapshot.json"  # the manifest of a snapshot: layout, world size, model, step
+
+
+def rank_file(rank: int) -> str:
+    """The file of `rank`'s shard in a snapshot folder."""
+    return f"rank{rank}.pt"
 
 
 def snapshot_root(ckpt_root: Path) -> Path:
@@ -65,7 +77,13 @@ class MemorySnapshots:
         except (OSError, ValueError):
             return None
         path = Path(named["dir"])
-        if path.parent != self.dir or not (path / "trainer.json").is_file() or not (path / ".metadata").is_file():
+        if path.parent != self.dir or not (path / "trainer.json").is_file():
+            return None
+        try:
+            info = json.loads((path / SNAPSHOT_INFO).read_text())
+        except (OSError, ValueError):
+            return None
+        if not all((path / rank_file(r)).is_file() for r in range(int(info.get("world_size", 0)))):
             return None
         return int(named["step"]), path
 

@@ -48,6 +48,7 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     orders: int = 0
     rank: int | None = None  # None: a spare
+    warm_rank: int | None = None  # a spare: the rank it warms up as (train/inprocess.py warm_up)
 
     @property
     def pid(self) -> int:
@@ -69,15 +70,18 @@ class _Group:
         from scaletrain.train.inprocess import serve
 
         slot = len(self.workers)
+        warm_rank = self.next_warm_rank() if spare else None
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(
             target=serve,
-            args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare),
+            args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare, warm_rank),
             name=f"scaletrain-slot{slot}",
             daemon=False,
         )
         proc.start()
-        worker = _Worker(slot, proc)
+        if spare:  # at once: a spawned child imports the launcher's modules before serve() lowers it itself
+            _lower_priority(proc.pid)
+        worker = _Worker(slot, proc, warm_rank=warm_rank)
         self.workers.append(worker)
         return worker
 
@@ -90,7 +94,17 @@ class _Group:
         return {w.rank: w for w in self.workers if w.rank is not None}
 
     def spares(self) -> list[_Worker]:
-        return [w for w in self.workers if w.rank is None and w.process.is_alive()]
+        return [w for w in self.workers if w.rank is None and w.process.is_alive() and w.orders == 0]
+
+    def next_warm_rank(self) -> int | None:
+        """The rank a new spare warms up as: the highest that no live spare warms up as (spare i of k: nproc-1-i)."""
+        covered = {w.warm_rank for w in self.spares()}
+        return next((r for r in reversed(range(self.nproc)) if r not in covered), None)
+
+    def spare_for(self, rank: int) -> _Worker | None:
+        """A live spare for `rank`: one that warmed up as it when there is one (it keeps all of its warm-up)."""
+        spares = self.spares()
+        return next((w for w in spares if w.warm_rank == rank), spares[0] if spares else None)
 
     def done(self, generation: int, rank: int) -> bool:
         return self.store.check([done_key(generation, rank)])  # type: ignore[attr-defined]
@@ -115,6 +129,15 @@ class _Group:
                 w.process.kill()
                 w.process.join()
             _kill_leftovers(w)
+
+
+def _lower_priority(pid: int | None) -> None:
+    from scaletrain.train.inprocess import SPARE_NICENESS
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid or 0, SPARE_NICENESS)
+    except (OSError, ProcessLookupError):
+        pass
 
 
 def _kill_leftovers(worker: _Worker) -> None:
@@ -180,7 +203,7 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
             for r, w in sorted(dead.items()):
                 _kill_leftovers(w)
                 w.rank = None
-                spare = next(iter(group.spares()), None)
+                spare = group.spare_for(r)
                 replacement = spare or group.start(spare=False)
                 group.order(replacement, generation, r)
                 _say(

@@ -7,6 +7,18 @@ a peer dies, the collective in flight fails (gloo: the dead rank's sockets close
 process and imports, and waits for generation g+1 with the same rank. A warm spare is such a process started before
 any failure: imported and waiting for its first order, it takes the dead rank's place without paying the imports.
 
+A spare also warms up while it waits (CPU runs): it builds the job's trainer on a fake process group of the job's
+world size (torch's own, torch.testing._internal.distributed.fake_pg, as the layout trace uses it), as the rank the
+launcher expects it to take, and takes one step. What a process pays the first time it runs the job's code is then
+paid before any failure: DTensor's sharding propagation for each operator, the first optimizer step that a restore's
+state-dict load runs, the kernels' first calls, the lazy imports. Without it the survivors, warm since generation 0,
+would wait in every collective of the restore and the first step for the cold replacement. DTensor caches those
+results by mesh, and a DeviceMesh compares by ranks, shape and names only: the fake mesh's entries serve the real
+mesh, as a survivor's entries of one generation serve the next (the groups are found again by name), but they carry
+the rank's coordinate. So a spare that takes another rank than it warmed as empties the caches that hold a mesh
+first (it would otherwise place its shards at the other rank's offsets), and keeps only the rest of the warm-up.
+The torch RNG state is put back after it.
+
 Module level imports stay light: a spare lowers its priority before importing torch, so that on a host short of
 cores its imports do not slow the ranks that train.
 """
@@ -22,6 +34,7 @@ from dataclasses import dataclass
 PREFIX = "scaletrain-inprocess"
 STOP = -1  # the rank of an order that ends the process
 SPARE_NICENESS = 10  # a spare's CPU priority while it imports and waits (restored when it takes a rank)
+CONNECT_TRY_S = 5.0  # one try to reach the launcher's store, between looks that the launcher still runs
 
 
 def order_key(slot: int, number: int) -> str:
@@ -99,9 +112,29 @@ class _Process:
         import torch.distributed as dist
 
         self.slot, self.orders = slot, 0
-        self.store = dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        self.launcher = os.getppid()
+        # connect in short tries, each after looking that the launcher (the store's server) still runs: one killed
+        # before this process connected would otherwise leave it retrying for the whole collective timeout
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store = dist.TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=CONNECT_TRY_S),
+                    wait_for_workers=False,
+                )
+                break
+            except Exception:  # noqa: BLE001  DistNetworkError / DistStoreError: not up, or gone
+                if self.launcher_gone() or time.monotonic() > deadline:
+                    raise SystemExit(1) from None
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self.store = store
+
+    def launcher_gone(self) -> bool:
+        """Whether the launcher that started this process has ended (this process was handed to another parent)."""
+        return os.getppid() != self.launcher
 
     def next_order(self) -> Order:
         """Block until the launcher gives this process its next order."""
@@ -115,13 +148,15 @@ class _Process:
                 self.store.wait([key], datetime.timedelta(seconds=60))
                 break
             except Exception as e:  # noqa: BLE001  the store's timeout (DistStoreError); anything else is real
+                if self.launcher_gone():
+                    raise SystemExit(1) from None  # its store went with it: nothing to wait for
                 if "timeout" not in str(e).lower() and "Timeout" not in type(e).__name__:
                     raise
         generation, rank = (int(x) for x in self.store.get(key).decode().split())
         return Order(generation, rank)
 
 
-def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool) -> None:
+def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool, warm_rank: int | None = None) -> None:
     """Process entry (spawned by the launcher): import everything once, then run the generations the launcher orders
     until it says stop. A rank's own error ends the process (exit 1) after logging it to the rank log."""
     # its own process group: when it dies, the launcher kills what it leaves behind (its checkpoint writer)
@@ -133,6 +168,7 @@ def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool) 
 
     cfg = validate_config(tree)
     process = _Process(slot, host, port, cfg.launch.collective_timeout_s)
+    warmed = spare and warm_rank is not None and warm_up(cfg, nproc, warm_rank) == ""
     terminal = os.dup(2)  # the launcher's stderr: each generation's rank log redirect starts from it
     while True:
         order = process.next_order()
@@ -141,7 +177,84 @@ def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool) 
         if spare:
             _set_niceness(0)
             spare = False
+            if warmed and order.rank != warm_rank:
+                forget_mesh_caches()
         _run_generation(cfg, process, order, nproc, terminal)
+
+
+def warm_up(cfg, nproc: int, rank: int) -> str:
+    """Build the job's trainer on a fake process group of `nproc` ranks as `rank` and take one step, then drop it all
+    but the caches (see the module docstring; forget_mesh_caches() before serving as another rank). CPU jobs only (on
+    a GPU it would take memory on a device the ranks use). Returns "" when it ran, else why not: a failure only
+    leaves a colder spare, never ends it. Output goes nowhere: the spare shares the launcher's terminal."""
+    import contextlib
+    import io
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from scaletrain.parallel.runtime import init_distributed, pick_device_type
+    from scaletrain.resolve import settle_device_defaults
+    from scaletrain.train.trainer import Trainer
+
+    device_type = pick_device_type(cfg.run.device)
+    if device_type != "cpu":
+        return f"a {device_type} job (spares warm up on CPU jobs only)"
+    if dist.is_initialized():
+        return "a process group is up"
+    if _mesh_caches() is None:  # a spare may take another rank: warm up only where that can be undone
+        return f"torch {torch.__version__} lacks a DTensor cache a spare must be able to empty"
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    rng = torch.get_rng_state()
+    trainer, failed = None, ""
+    quiet = io.StringIO()
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=nproc)
+            cfg = settle_device_defaults(cfg, device_type)
+            trainer = Trainer.build(cfg, init_distributed(device_type, cfg.launch.collective_timeout_s))
+            trainer.train_step(1)
+    except Exception as e:  # noqa: BLE001  a warm-up that fails leaves a cold spare, which still works
+        failed = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    finally:
+        _close(trainer)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        logging.disable(logging.NOTSET)
+        torch.set_rng_state(rng)
+    if failed:
+        forget_mesh_caches()
+    return failed
+
+
+def forget_mesh_caches() -> None:
+    """Empty every process-wide DTensor cache whose results hold a DeviceMesh (_mesh_caches)."""
+    for clear in _mesh_caches() or []:
+        clear()
+
+
+def _mesh_caches():
+    """The clear() of each process-wide DTensor cache whose results hold a DeviceMesh (torch 2.13: the native and the
+    Python sharding-propagation caches, the redistribution plans, the mesh topology), or None when this torch lacks
+    one of them. The tensor-metadata cache stays: its values are shapes and strides, the same on every rank."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    try:
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+        return [
+            torch._C._clear_DTensor_sharding_propagator_cache,
+            DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear,
+            _gen_transform_infos.cache_clear,
+            MeshTopoInfo.build_from_mesh.cache_clear,
+        ]
+    except (ImportError, AttributeError):
+        return None
 
 
 def _set_niceness(level: int) -> None:

@@ -87,6 +87,7 @@ def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
             "seed": cfg.run.seed,  # the init by name of weights a checkpoint leaves out (frozen): export remakes them
             **({"lora": lora_manifest(cfg.lora, trainer.spec, cfg.run.seed)} if cfg.lora.rank else {}),
         },
+        start_writer=False,  # fit starts it after the first step: see async_writer.py
     )
 
 
@@ -340,6 +341,8 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                 elif not last and ckpt.memory_due(step):
                     ckpt.snapshot(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
                 ckpt.poll(step)
+                if step == start_step + 1:
+                    ckpt.start_writer()  # the first step (a restart's first row) had the cores to itself
                 mon.step_end(step)
             agreement.close()
             if cfg.checkpoint.save_final:
