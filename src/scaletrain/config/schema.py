@@ -547,7 +547,8 @@ class LaunchConfig(Section):
         1,
         ge=0,
         le=MAX_RANKS,
-        description="launch.restart=in-process: processes started ahead, imported and waiting to replace a dead rank",
+        description="launch.restart=in-process: processes started ahead, imported and waiting to replace a dead rank "
+        "(on CPU each warms up as one rank, from the last down: as many spares as ranks cover every rank)",
     )
     collective_timeout_s: float = Field(
         600.0,
