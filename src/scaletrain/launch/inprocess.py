@@ -74,7 +74,7 @@ class _Group:
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(
             target=serve,
-            args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare, warm_rank),
+            args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare, warm_rank, os.getpid()),
             name=f"scaletrain-slot{slot}",
             daemon=False,
         )

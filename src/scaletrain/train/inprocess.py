@@ -34,7 +34,7 @@ from dataclasses import dataclass
 PREFIX = "scaletrain-inprocess"
 STOP = -1  # the rank of an order that ends the process
 SPARE_NICENESS = 10  # a spare's CPU priority while it imports and waits (restored when it takes a rank)
-CONNECT_TRY_S = 5.0  # one try to reach the launcher's store, between looks that the launcher still runs
+CONNECT_S = 30.0  # TCPStore's connect, once the launcher's store was seen listening
 
 
 def order_key(slot: int, number: int) -> str:
@@ -106,29 +106,27 @@ def frozen_in_run(run_dir, pids: dict[int, int], generation: int, hang_timeout_s
 class _Process:
     """This worker's side of the launcher's store: its orders, and its reports."""
 
-    def __init__(self, slot: int, host: str, port: int, timeout_s: float):
+    def __init__(self, slot: int, host: str, port: int, timeout_s: float, launcher: int):
         import datetime
 
         import torch.distributed as dist
 
         self.slot, self.orders = slot, 0
-        self.launcher = os.getppid()
-        # connect in short tries, each after looking that the launcher (the store's server) still runs: one killed
-        # before this process connected would otherwise leave it retrying for the whole collective timeout
+        self.launcher = launcher  # its pid, given: the parent looked up after the imports may already be init
+        # look that the store's server listens, between looks that the launcher still runs, before TCPStore
+        # connects: its constructor retries in C++ for the whole timeout whatever it is given, holding the GIL, so
+        # a launcher killed before this process connected would leave it there for the collective timeout
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                store = dist.TCPStore(
-                    host,
-                    port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=CONNECT_TRY_S),
-                    wait_for_workers=False,
-                )
-                break
-            except Exception:  # noqa: BLE001  DistNetworkError / DistStoreError: not up, or gone
-                if self.launcher_gone() or time.monotonic() > deadline:
-                    raise SystemExit(1) from None
+        while not _listening(host, port):
+            if self.launcher_gone() or time.monotonic() > deadline:
+                raise SystemExit(1)
+            time.sleep(0.1)
+        try:
+            store = dist.TCPStore(
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=CONNECT_S), wait_for_workers=False
+            )
+        except Exception:  # noqa: BLE001  DistNetworkError / DistStoreError: the launcher went in between
+            raise SystemExit(1) from None
         store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self.store = store
 
@@ -156,7 +154,20 @@ class _Process:
         return Order(generation, rank)
 
 
-def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool, warm_rank: int | None = None) -> None:
+def _listening(host: str, port: int) -> bool:
+    """Whether a TCP server accepts at host:port (a bare connect and close: the store's server drops it)."""
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def serve(
+    slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool, warm_rank: int | None, launcher: int
+) -> None:
     """Process entry (spawned by the launcher): import everything once, then run the generations the launcher orders
     until it says stop. A rank's own error ends the process (exit 1) after logging it to the rank log."""
     # its own process group: when it dies, the launcher kills what it leaves behind (its checkpoint writer)
@@ -167,7 +178,7 @@ def serve(slot: int, host: str, port: int, tree: dict, nproc: int, spare: bool, 
     from scaletrain.train import loop  # noqa: F401  the trainer's imports (torch, the models, DCP), paid here once
 
     cfg = validate_config(tree)
-    process = _Process(slot, host, port, cfg.launch.collective_timeout_s)
+    process = _Process(slot, host, port, cfg.launch.collective_timeout_s, launcher)
     warmed = spare and warm_rank is not None and warm_up(cfg, nproc, warm_rank) == ""
     terminal = os.dup(2)  # the launcher's stderr: each generation's rank log redirect starts from it
     while True:
