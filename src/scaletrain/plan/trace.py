@@ -428,12 +428,19 @@ def trace_model(target: TraceTarget, dtype: str = "bf16", samples: int | None = 
             key = next(k for k, m in blocks_now.items() if m is module)
             block_names[f"{root_name}.{fqn}"] = key
 
+    order = {key: i for i, key in enumerate(blocks_now)}
+
     def current_layer() -> str:
-        for parent in tracker.parents:
-            for name, key in block_names.items():
-                if parent == name or parent.startswith(name + "."):
-                    return key
-        return ROOT
+        # ModuleTracker's parents is a set, and in backward it can still hold a block whose backward ended (its
+        # post-backward hook fires late): several blocks may match. Backward runs the blocks last to first, so the
+        # current one is the first of them; forward (no stale entries) the last. Taking the set's first match made
+        # the layer of backward's ops depend on the hash seed (op counts 168 or 226 for one ViT).
+        found = {key for parent in tracker.parents for name, key in block_names.items()
+                 if parent == name or parent.startswith(name + ".")}  # fmt: skip
+        if not found:
+            return ROOT
+        pick = min if phase[0] == "backward" else max
+        return pick(found, key=order.__getitem__)
 
     counts: dict[tuple[str, str, str], list] = {}
     saved: dict[str, int] = {}
