@@ -266,3 +266,44 @@ def test_qlora_gpu_check_runs_its_cuda_path_on_the_cpu():
     out = json.loads(proc.stdout)
     assert out["loss_abs_diff"] == 0.0 and out["adapter_grad_max_abs_diff"] == 0.0
     assert out["qlora"]["base_bytes"] < out["lora"]["base_bytes"] and out["qlora"]["tokens_per_s"] > 0
+
+
+@pytest.mark.slow  # two 2-rank launches; what the planner prices is tests/test_plan_shared_cpu.py's
+def test_planner_families_benchmark_measures_predicts_and_predicts_again(tmp_path):
+    """A ViT under DDP 2 and FSDP 2, 4 steps each: a measured and a predicted time per row, the table, and the same
+    predictions again from --json's rows (the data kept by --work)."""
+    rows, work = tmp_path / "rows.json", tmp_path / "work"
+    script = [sys.executable, str(ROOT / "benchmarks/planner_families.py"), "--nproc", "2"]
+    run = [
+        *script,
+        "--steps",
+        "4",
+        "--families",
+        "vit",
+        "--only",
+        "ddp2,fsdp2",
+        "--json",
+        str(rows),
+        "--work",
+        str(work),
+    ]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    measured = json.loads(rows.read_text())
+    assert [r["layout"] for r in measured] == ["ddp2", "fsdp2"]
+    assert all(r["step_time_s"] > 0 and r["predicted_s"] > 0 for r in measured), measured
+    assert "| vit | ddp2 |" in proc.stdout and "- vit: " in proc.stdout
+    again_rows = tmp_path / "again.json"
+    again = subprocess.run(
+        [*script, "--steps", "4", "--from-json", str(rows), "--json", str(again_rows)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    for first, second in zip(measured, json.loads(again_rows.read_text()), strict=True):
+        assert second["step_time_s"] == first["step_time_s"]
+        # a trace in another process may count a few ops more or less (1 % seen): the same plan, not the same bits
+        assert second["predicted_s"] == pytest.approx(first["predicted_s"], rel=0.05)

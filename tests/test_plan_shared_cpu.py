@@ -99,6 +99,27 @@ def test_fsdp_pays_the_wait_per_unit_and_ddp_per_bucket():
     assert extra(DDP4) == pytest.approx(WAIT)
 
 
+def test_a_traced_plan_pays_the_same_waits_as_the_decoder_formulas():
+    """plan/traced.py (every family that is not a Llama-shaped decoder) counts the collective waits as
+    plan/steptime.py does: tiny traced has the same 5 FSDP units and one DDP bucket; with accumulation 2 FSDP pays
+    them per micro-batch, DDP once per step."""
+    from scaletrain.plan.trace import spec_target, trace_model
+    from scaletrain.plan.traced import traced_time
+
+    trace = trace_model(spec_target(preset_spec("tiny"), 256), "fp32")
+    with_wait, without = cluster(calibration()), cluster(calibration(wait=0))
+
+    def extra(layout: Layout) -> float:
+        lines = (traced_time(trace, layout, c)["dp comm exposed"] for c in (with_wait, without))
+        return next(lines) - next(lines)
+
+    assert trace.n_blocks == 4
+    assert extra(FSDP4) == pytest.approx(14 * WAIT)
+    assert extra(DDP4) == pytest.approx(WAIT)
+    assert extra(dataclasses.replace(FSDP4, micro_batch=2, accumulation=2)) == pytest.approx(28 * WAIT)
+    assert extra(dataclasses.replace(DDP4, micro_batch=2, accumulation=2)) == pytest.approx(WAIT)
+
+
 def test_bubble_and_pipeline_waits_are_filled_when_ranks_outnumber_cores():
     shared, own = cluster(calibration(cores=2)), cluster(calibration(cores=4))
     for layout in (PP4, TP2_PP2):

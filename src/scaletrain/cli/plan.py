@@ -401,7 +401,7 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
     from scaletrain.models.registry import model_spec, preset_spec, spec_selected_by
     from scaletrain.plan.render import print_traced_plan
     from scaletrain.plan.trace import factory_target, spec_target, trace_model
-    from scaletrain.plan.traced import TRACED_AC_MODES, plan_traced
+    from scaletrain.plan.traced import TRACED_AC_MODES, plan_traced, table_shape
 
     if cfg is not None:
         for key in ("tp", "pp", "cp"):
@@ -431,7 +431,7 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
                      f"prepared tabular folder, or a preset that names its columns (dlrm-criteo-kaggle)")  # fmt: skip
             seq = seq_len if seq_len is not None else min(8192, spec.max_seq_len or 8192)
             target = spec_target(spec, seq)
-            tables = _table_shape(spec, cfg)
+            tables = table_shape(spec, cfg.parallel.embedding_sharding if cfg is not None else "row")
         world = cluster.gpus
         batch = global_batch if global_batch is not None else world * -(-max(256, world) // world)
         traces = {p: trace_model(target, p) for p in opts.precisions}
@@ -442,19 +442,6 @@ def _plan_from_trace(factory, hf_path, cfg, model, seq_len, global_batch, cluste
         click.echo(json.dumps(plan.to_dict(), indent=2))
         return
     print_traced_plan(plan)
-
-
-def _table_shape(spec, cfg):
-    """The model's embedding tables as the planner shards them (parallel.embedding_sharding of the job config,
-    row-wise otherwise); None for a model without any."""
-    from scaletrain.plan.traced import TableShape
-
-    path = spec.embedding_tables()
-    if path is None:
-        return None
-    tables = spec.build("meta").get_submodule(path)
-    sharding = cfg.parallel.embedding_sharding if cfg is not None else "row"
-    return TableShape(tuple(int(n) for n in tables.rows), int(tables.dim), sharding)
 
 
 def _moe_spec(cfg, model, hf_path, params, ep_text):

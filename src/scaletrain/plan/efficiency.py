@@ -93,7 +93,7 @@ def nearest_rates(query, points, rates) -> np.ndarray:
     return np.exp(np.sum(w * np.log(np.asarray(rates, dtype=np.float64)), axis=-1) / np.sum(w, axis=-1))
 
 
-def _gemm_features(m, n, k):
+def gemm_features(m, n, k):
     ws = m * k + k * n + m * n
     return np.log(ws), np.log(2.0 * m * n * k / ws)
 
@@ -103,7 +103,7 @@ def shape_rate(m, n, k, shapes) -> np.ndarray:
     mk + kn + mn, log intensity) space (nearest_rates)."""
     m, n, k = (np.asarray(x, dtype=np.float64) for x in (m, n, k))
     pts = np.asarray(shapes, dtype=np.float64)
-    return nearest_rates(_gemm_features(m, n, k), np.stack(_gemm_features(*pts[:, :3].T), axis=-1), pts[:, 3])
+    return nearest_rates(gemm_features(m, n, k), np.stack(gemm_features(*pts[:, :3].T), axis=-1), pts[:, 3])
 
 
 def attention_rate(seq, head_dim, points) -> np.ndarray:

@@ -21,12 +21,22 @@ import time
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scaletrain.config.layout import Layout
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.comm import collective_seconds
-from scaletrain.plan.efficiency import memory_seconds, pointwise_seconds
+from scaletrain.plan.efficiency import (
+    gemm_features,
+    amid_compute_seconds,
+    in_step_factors,
+    memory_seconds,
+    nearest_rates,
+    pointwise_seconds,
+)
 from scaletrain.plan.memory import (
     CUDA_CONTEXT_BYTES,
+    DDP_BUCKET_CAP_BYTES,
     FRAGMENTATION_SHARE,
     MEMORY_LINES,
     NCCL_BYTES_PER_GROUP,
@@ -135,6 +145,35 @@ class TableShape:
         return 4.0 * dp * samples * tables * self.dim
 
 
+def table_shape(spec, sharding: str = "row") -> TableShape | None:
+    """The model's embedding tables as the planner shards them (`sharding`: parallel.embedding_sharding); None for
+    a model without any."""
+    path = spec.embedding_tables()
+    if path is None:
+        return None
+    tables = spec.build("meta").get_submodule(path)
+    return TableShape(tuple(int(n) for n in tables.rows), int(tables.dim), sharding)
+
+
+def job_row(cfg, world: int, cluster: Cluster) -> TracedRow:
+    """The traced prediction of exactly the layout `scaletrain train` runs for `cfg` on `world` ranks (the trace
+    of the model it builds, data bound, at its compute dtype). ValueError where the job is refused, or its layout
+    has tensor, pipeline or context parallelism (not planned from a trace)."""
+    from scaletrain.plan.trace import spec_target, trace_model
+    from scaletrain.resolve import resolve_job
+
+    resolved = resolve_job(cfg, world)
+    layout = resolved.layout
+    if layout.tp * layout.pp * layout.cp > 1:
+        raise ValueError(f"{layout.describe()}: a plan from a trace covers data-parallel layouts only")
+    trace = trace_model(spec_target(resolved.spec, cfg.data.seq_len), layout.precision)
+    tables = table_shape(resolved.spec, cfg.parallel.embedding_sharding)
+    mem = traced_memory(trace, layout, cluster, tables)
+    return TracedRow(
+        layout, mem, traced_time(trace, layout, cluster, tables), sum(mem.values()) <= cluster.memory_bytes
+    )
+
+
 def _without(shapes: list, removed: list) -> list:
     """`shapes` with each of `removed` taken out once (the tables among the root's parameters)."""
     left = list(shapes)
@@ -219,14 +258,38 @@ def _precision_code(precision: str) -> int:
     return PRECISION_NAMES.index(precision)
 
 
+def _matmul_seconds(trace: ModelTrace, cluster: Cluster, precision: str, phase: str, blocks_only: bool) -> float:
+    """The traced matmuls' seconds: at the matmul rate; on a CPU calibration (bench's GEMM shapes) each operator
+    at the measured rate of its per-call working set and intensity (its bytes and FLOPs per call: the trace
+    records no shapes, and a layer's calls of one operator are averaged), times what a real step's GEMMs took over
+    the curve (in_step_factors), as plan/efficiency.py gemm_seconds prices a decoder's GEMMs by shape."""
+    ops = [
+        o
+        for o in trace.ops
+        if o.kind == "matmul" and o.phase == phase and not (blocks_only and o.layer == ROOT) and o.flops > 0
+    ]
+    shapes = cluster.measured_matmul_shapes
+    if not shapes:
+        return sum(o.flops * trace.layer(o.layer).repeat for o in ops) / float(
+            matmul_rate(cluster, _precision_code(precision))
+        )
+    pts = np.asarray(shapes, dtype=np.float64)
+    points = np.stack(gemm_features(*pts[:, :3].T), axis=-1)
+    e = float(trace.element_bytes)
+    seconds = 0.0
+    for o in ops:
+        ws = max(o.bytes / o.calls / e, 1.0)
+        rate = float(nearest_rates((np.log(ws), np.log(o.flops / o.calls / ws)), points, pts[:, 3]))
+        seconds += o.flops * trace.layer(o.layer).repeat / rate
+    return seconds * in_step_factors(cluster)[0]
+
+
 def _compute_seconds(trace: ModelTrace, cluster: Cluster, precision: str, phase: str, blocks_only: bool = False):
-    mm = float(matmul_rate(cluster, _precision_code(precision)))
-    flops_mm = trace.flops(phase, "matmul", blocks_only)
     flops_attn = trace.flops(phase, "attention", blocks_only)
     moved = trace.bytes_moved(phase, "memory", blocks_only)
     calls = max(trace.op_calls(phase, blocks_only), 1)
     return (
-        flops_mm / mm
+        _matmul_seconds(trace, cluster, precision, phase, blocks_only)
         + flops_attn / _attention_rate(cluster, precision)
         + float(pointwise_seconds(moved, moved / calls, cluster))
     )
@@ -292,9 +355,13 @@ def traced_time(
             latency = units * m * 3 * cluster.intra_link.latency_s
             comm = gathers + reduces + latency
         else:
-            comm = float(collective_seconds("all_reduce", 4.0 * n, dp, 1, cluster))
+            buckets = math.ceil(4.0 * n / DDP_BUCKET_CAP_BYTES)
+            comm = float(collective_seconds("all_reduce", 4.0 * n, dp, 1, cluster)) + (buckets - 1) * float(
+                collective_seconds("all_reduce", 0.0, dp, 1, cluster)
+            )
         overlap = cluster.gpu.comm_overlap * (fwd + bwd) * m
         lines["dp comm exposed"] = max(comm - overlap, comm * (1.0 - cluster.gpu.comm_overlap))
+        lines["dp comm exposed"] += _collective_waits(layout, units, fwd, bwd, 4.0 * n, cluster)
     shapes = _all_shapes(trace)
     local = n
     if apart and tables is not None:
@@ -309,6 +376,21 @@ def traced_time(
     per_param = ADAMW_BYTES_PER_PARAM + (ADAMW_INPLACE_WRITE_BYTES if on_gpu else 0.0)
     lines["optimizer"] = float(memory_seconds(per_param * local, cluster))
     return lines
+
+
+def _collective_waits(layout: Layout, units: int, fwd: float, bwd: float, grad_bytes: float, cluster: Cluster) -> float:
+    """What the step's DP collectives wait for the last rank to arrive (a CPU calibration's curve of a collective
+    amid compute, plan/efficiency.py amid_compute_seconds; 0 elsewhere), as plan/steptime.py counts it for a
+    decoder: FSDP2 gathers each unit after one unit's forward, and in backward a gather and a reduce-scatter share
+    one unit's backward, every micro-batch; DDP all-reduces each bucket after its share of the last micro-batch's
+    backward. `fwd`, `bwd`: one micro-batch's compute seconds."""
+    dp, m, blocks = layout.dp, layout.accumulation, max(units - 1, 1)
+    if layout.mode.sharded:
+        sync_fwd = float(amid_compute_seconds(fwd / blocks, dp, cluster))
+        sync_bwd = float(amid_compute_seconds(bwd / blocks / 2.0, dp, cluster))
+        return m * (units * sync_fwd + (units - 1) * sync_bwd + units * sync_bwd)
+    buckets = math.ceil(grad_bytes / DDP_BUCKET_CAP_BYTES)
+    return buckets * float(amid_compute_seconds(bwd / buckets, dp, cluster))
 
 
 def candidate_layouts(world: int, global_batch: int, precisions, ac_modes, max_micro_batch: int = 64) -> list[Layout]:

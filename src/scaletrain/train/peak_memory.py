@@ -29,7 +29,7 @@ def measure_step_peak(cfg: JobConfig, rt: Runtime) -> tuple[Trainer, dict[str, i
 
     from scaletrain.train import Trainer
 
-    tracker = MemTracker()
+    tracker = _tracker(MemTracker)()
     with tracker:  # from the first allocation: DDP's buckets and FSDP2's buffers are made while the model is laid out
         trainer = Trainer.build(cfg, rt)
         trainer.train_step(1)
@@ -47,3 +47,25 @@ def measure_step_peak(cfg: JobConfig, rt: Runtime) -> tuple[Trainer, dict[str, i
         else:
             out[str(name)] = int(value)
     return trainer, out
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker(base):
+    """MemTracker that leaves frozen parameters (a VLM's vision tower, a LoRA base, a meta model's check under
+    no_grad) without the gradient hook it registers on every parameter of a module it enters: torch 2.13 refuses a
+    hook on a tensor that does not require gradients ("cannot register a hook on a tensor that doesn't require
+    gradient"). They get placeholder handles, which it takes for hooks already there; a frozen parameter never has
+    a gradient to count."""
+
+    class Tracker(base):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            for param in module.parameters():
+                if not param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    return Tracker
