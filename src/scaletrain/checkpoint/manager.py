@@ -305,9 +305,9 @@ class CheckpointManager:
         if self.rank == 0:
             self.memory.commit(step)
 
-    def _snapshot_fits(self, path: Path) -> bool:
-        """Rank 0: was the snapshot at `path` taken by this layout and world size (the only ones it loads into)?"""
-        saved = json.loads((path / SNAPSHOT_INFO).read_text())
+    def _snapshot_fits(self, saved: dict) -> bool:
+        """Rank 0: was the snapshot whose SNAPSHOT_INFO is `saved` taken by this layout and world size (the only
+        ones it loads into)?"""
         here = {k: self.info.get(k) for k in ("layout", "world_size")}
         if {k: saved.get(k) for k in here} == here:
             return True
@@ -328,7 +328,7 @@ class CheckpointManager:
         snap = self.memory.newest() if self.memory is not None else None
         on_disk = list_checkpoints(self.root)
         newer = snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1]))
-        if snap is not None and newer and self._snapshot_fits(snap[1]):
+        if snap is not None and newer and self._snapshot_fits(snap[2]):
             return snap[0], True
         path = self.latest_good()
         if path is None:

@@ -69,8 +69,9 @@ class MemorySnapshots:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def newest(self) -> tuple[int, Path] | None:
-        """Rank 0: the snapshot the marker names, when it is whole; None otherwise."""
+    def newest(self) -> tuple[int, Path, dict] | None:
+        """Rank 0: (step, folder, its SNAPSHOT_INFO) of the snapshot the marker names, when it is whole; None
+        otherwise."""
         marker = self.ckpt_root / MARKER
         try:
             named = json.loads(marker.read_text())
@@ -85,7 +86,7 @@ class MemorySnapshots:
             return None
         if not all((path / rank_file(r)).is_file() for r in range(int(info.get("world_size", 0)))):
             return None
-        return int(named["step"]), path
+        return int(named["step"]), path, info
 
     def clear(self) -> None:
         """Rank 0, after a successful run: free the host memory and forget the snapshot."""

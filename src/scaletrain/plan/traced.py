@@ -27,8 +27,8 @@ from scaletrain.config.layout import Layout
 from scaletrain.hardware.cluster import Cluster
 from scaletrain.plan.comm import collective_seconds
 from scaletrain.plan.efficiency import (
-    gemm_features,
     amid_compute_seconds,
+    gemm_features,
     in_step_factors,
     memory_seconds,
     nearest_rates,
