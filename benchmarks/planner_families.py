@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,10 +44,14 @@ COMMON = [
 
 
 def _images(work: Path, size: int, per_class: int = 64) -> Path:
-    """A prepared image folder: 4 classes of noisy PNGs (their class is their mean colour)."""
+    """A prepared image folder: 4 classes of noisy PNGs (their class is their mean colour); made once per `work`
+    (the ViT and the UNet read the same one)."""
     import numpy as np
     from PIL import Image
 
+    out = work / f"images{size}"
+    if (out / "manifest.json").is_file():
+        return out
     rng = np.random.default_rng(0)
     tree = work / f"tree{size}"
     for k, colour in enumerate([(200, 40, 40), (40, 200, 40), (40, 40, 200), (200, 200, 40)]):
@@ -54,7 +59,6 @@ def _images(work: Path, size: int, per_class: int = 64) -> Path:
         for i in range(per_class):
             pixels = np.array(colour)[None, None] + rng.normal(0, 40, (size, size, 3))
             Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(tree / f"class{k}" / f"{i}.png")
-    out = work / f"images{size}"
     _cli(["data", "prepare", str(tree), "--out", str(out), "--format", "images", "--val-share", "0.1"], work)
     return out
 
@@ -74,7 +78,7 @@ def _cli(args: list[str], cwd: Path) -> None:
     subprocess.run([sys.executable, "-m", "scaletrain.cli.main", *args], check=True, capture_output=True, cwd=cwd)
 
 
-def families(work: Path) -> dict[str, list[str]]:
+def families(work: Path) -> dict[str, Callable[[], list[str]]]:
     """name -> the job's overrides (data made in `work` on first use)."""
     return {
         "vit": lambda: ["task.name=image-classification", f"data.path={_images(work, 32)}", "model.name=vit-tiny-image",
@@ -87,7 +91,7 @@ def families(work: Path) -> dict[str, list[str]]:
                          "train.global_batch_size=256", "train.lr=0.001"],
         "moe": lambda: ["model.name=moe-tiny", "data.seq_len=256", "data.max_bytes=1000000",
                         "train.global_batch_size=16"],
-    }  # type: ignore[return-value]  # fmt: skip
+    }  # fmt: skip
 
 
 def layouts(nproc: int) -> dict[str, list[str]]:
@@ -145,9 +149,10 @@ def main(argv: list[str] | None = None) -> str:
     if a.calibration:
         cluster = apply_calibration(cluster, load_calibration(a.calibration))
     chosen = [f for f in a.families.split(",") if f]
-    unknown = [f for f in chosen if f not in ("vit", "unet", "dlrm", "moe")]
+    known = list(families(Path()))  # the names only: no data is made until a family is called
+    unknown = [f for f in chosen if f not in known]
     if unknown:
-        ap.error(f"--families: unknown {unknown[0]!r}; choose from vit, unet, dlrm, moe")
+        ap.error(f"--families: unknown {unknown[0]!r}; choose from {', '.join(known)}")
     if a.from_json:  # predicted again from the same data (a run with --work keeps it)
         rows = json.loads(Path(a.from_json).read_text())
         for r in rows:
@@ -173,7 +178,7 @@ def measure_all(a, work: Path, chosen: list[str], cluster) -> list[dict]:
     jobs = families(work)
     rows: list[dict] = []
     for fam in chosen:
-        family = jobs[fam]()  # type: ignore[operator]
+        family = jobs[fam]()
         for name, lay in layouts(a.nproc).items():
             if a.only and name not in a.only.split(","):
                 continue

@@ -1,5 +1,6 @@
 """Benchmarks are not tests: only check that each script runs end to end (2 steps)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -253,8 +254,6 @@ def test_gpu_check_dry_run_lists_every_figure_and_the_trainer_accepts_each_confi
 def test_qlora_gpu_check_runs_its_cuda_path_on_the_cpu():
     """benchmarks/qlora_gpu_check.py --device cpu: the parity half compares the CPU with itself (0 apart), and both
     variants train; the 4-bit base is smaller than the fp32 one."""
-    import json
-
     argv = ["--device", "cpu", "--dim", "256", "--layers", "1", "--seq", "64", "--rows", "2", "--steps", "1"]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/qlora_gpu_check.py"), *argv],
@@ -289,8 +288,6 @@ def test_planner_families_benchmark_measures_predicts_and_predicts_again(tmp_pat
     ]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     measured = json.loads(rows.read_text())
     assert [r["layout"] for r in measured] == ["ddp2", "fsdp2"]
     assert all(r["step_time_s"] > 0 and r["predicted_s"] > 0 for r in measured), measured
