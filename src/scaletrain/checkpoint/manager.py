@@ -43,6 +43,7 @@ from scaletrain.checkpoint.manifest import (
     verify,
 )
 from scaletrain.checkpoint.safe_load import load_dcp
+from scaletrain.config.layout import Layout
 from scaletrain.config.schema import CheckpointConfig
 from scaletrain.models.naming import plain_param_name
 from scaletrain.parallel.float8 import plain_weights
@@ -143,6 +144,9 @@ class Restored:
     path: Path
     saved_layout: str | None
     saved_world_size: int | None
+
+
+SAME_RANKS, BY_REPLICA = 1, 2  # how a memory snapshot loads (CheckpointManager._snapshot_fits)
 
 
 def _barrier() -> None:
@@ -305,12 +309,19 @@ class CheckpointManager:
         if self.rank == 0:
             self.memory.commit(step)
 
-    def _snapshot_fits(self, saved: dict) -> bool:
-        """Rank 0: was the snapshot whose SNAPSHOT_INFO is `saved` taken by this layout and world size (the only
-        ones it loads into)?"""
+    def _snapshot_fits(self, saved: dict) -> int:
+        """Rank 0: how the snapshot whose SNAPSHOT_INFO is `saved` loads into this run: SAME_RANKS (taken by this
+        layout and world size: each rank reads its own file), BY_REPLICA (taken by this layout with another
+        parallel.dp_replicate: each rank reads the file of its position in the first replica, whose shards are its
+        own), or 0 (it does not: the disk checkpoints instead)."""
         here = {k: self.info.get(k) for k in ("layout", "world_size")}
         if {k: saved.get(k) for k in here} == here:
-            return True
+            return SAME_RANKS
+        mine, theirs = (
+            {k: v for k, v in (info.get("degrees") or {}).items() if k != "dp_replicate"} for info in (self.info, saved)
+        )
+        if mine and mine == theirs:
+            return BY_REPLICA
         log.warning(
             "checkpoint: the host-memory snapshot of step %s was taken by %s on %s rank(s), this run is %s on %s: "
             "resuming from the disk checkpoints instead",
@@ -320,28 +331,38 @@ class CheckpointManager:
             here["layout"],
             here["world_size"],
         )
-        return False
+        return 0
 
-    def _newest(self) -> tuple[int, bool]:
-        """Rank 0: the step to resume from and whether it is a memory snapshot; (-1, False) when there is none.
-        A snapshot newer than the newest disk checkpoint wins, without reading the disk one's checksums."""
+    def _snapshot_file(self, how: int, saved_replicas: int) -> str:
+        """This rank's file of a snapshot that loads `how` (_snapshot_fits), taken with `saved_replicas` replicas."""
+        if how == SAME_RANKS:
+            return rank_file(self.rank)
+        degrees = self.info["degrees"]
+        _, position = Layout(**degrees).replica_of(self.rank)
+        return rank_file(Layout(**{**degrees, "dp_replicate": saved_replicas}).rank_of(0, position))
+
+    def _newest(self) -> tuple[int, int, int]:
+        """Rank 0: (the step to resume from, how a memory snapshot of it loads (_snapshot_fits; 0: from disk), the
+        snapshot's replica count); step -1 when there is none. A snapshot newer than the newest disk checkpoint
+        wins, without reading the disk one's checksums."""
         snap = self.memory.newest() if self.memory is not None else None
         on_disk = list_checkpoints(self.root)
         newer = snap is not None and (not on_disk or snap[0] > int(on_disk[0].name.split("_")[1]))
-        if snap is not None and newer and self._snapshot_fits(snap[2]):
-            return snap[0], True
+        if snap is not None and newer:
+            how = self._snapshot_fits(snap[2])
+            if how:
+                return snap[0], how, int((snap[2].get("degrees") or {}).get("dp_replicate", 1))
         path = self.latest_good()
         if path is None:
-            return -1, False
-        return int(path.name.split("_")[1]), False
+            return -1, 0, 0
+        return int(path.name.split("_")[1]), 0, 0
 
     def restore(self, model, optimizer) -> Restored | None:
         """Load the newest good checkpoint, or a newer memory snapshot, into model and optimizer (any layout); None
         when there is none."""
-        step = torch.tensor([-1, 0], dtype=torch.int64)
+        step = torch.tensor([-1, 0, 0], dtype=torch.int64)
         if self.rank == 0:
-            newest, from_memory = self._newest()
-            step[0], step[1] = newest, int(from_memory)
+            step[0], step[1], step[2] = self._newest()
         if dist.is_initialized() and self.world_size > 1:
             dist.broadcast(step, src=0)
         if step[0].item() < 0:
@@ -355,7 +376,8 @@ class CheckpointManager:
         model_sd, optim_sd, m_back, o_back = _state_dicts(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         if step[1].item():
-            _fill_local(state, torch.load(path / rank_file(self.rank), weights_only=True, mmap=True), path)
+            held = path / self._snapshot_file(int(step[1].item()), int(step[2].item()))
+            _fill_local(state, torch.load(held, weights_only=True, mmap=True), path)
         else:
             load_dcp(state, path)
         set_state_dict(

@@ -116,6 +116,25 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
+    def replica_ranks(self) -> int:
+        """Ranks in one data-parallel replica: the world size over dp_replicate."""
+        return self.world_size // self.dp_replicate
+
+    def replica_of(self, rank: int) -> tuple[int, int]:
+        """(replica, position in it) of `rank`: the mesh lays ranks out pp-major, then dp_replicate, then the
+        rest (parallel/dims.py MESH_ORDER), so a replica's ranks are a pp-th of the world in each of pp blocks."""
+        inner = self.dp_shard * self.cp * self.tp
+        outer, within = divmod(rank, inner)
+        stage, replica = divmod(outer, self.dp_replicate)
+        return replica, stage * inner + within
+
+    def rank_of(self, replica: int, position: int) -> int:
+        """The rank at `position` of `replica` (the inverse of replica_of)."""
+        inner = self.dp_shard * self.cp * self.tp
+        stage, within = divmod(position, inner)
+        return (stage * self.dp_replicate + replica) * inner + within
+
+    @property
     def dp(self) -> int:
         """Data-parallel degree: ranks that see different samples."""
         return self.dp_replicate * self.dp_shard

@@ -543,6 +543,13 @@ class LaunchConfig(Section):
         "in the dead rank's place; a rank frozen in training (SIGSTOP) is killed within seconds and replaced the "
         "same way (one node; launch.max_restarts still caps the restarts)",
     )
+    fault_tolerance: Literal["none", "replicas"] = Field(
+        "none",
+        description="launch.restart=in-process with parallel.dp_replicate > 1 (DDP or HSDP replicas): replicas = "
+        "when a rank dies, the other replicas train on without waiting (same global batch: more accumulation per "
+        "replica) while its replica is refilled; the refilled replica takes the live state from host memory and "
+        "rejoins at a step boundary (needs checkpoint.memory_interval_steps > 0); none = every rank waits",
+    )
     spares: int = Field(
         1,
         ge=0,
@@ -629,6 +636,31 @@ class JobConfig(Section):
                 f"set launch.restart=process"
             )
         return self
+
+    @model_validator(mode="after")
+    def _replica_fault_tolerance(self) -> JobConfig:
+        if self.launch.fault_tolerance != "replicas":
+            return self
+        if self.launch.restart != "in-process":
+            raise ValueError(
+                "launch.fault_tolerance: replicas works with in-process restarts; set launch.restart=in-process"
+            )
+        if self.parallel.dp_replicate < 2:
+            raise ValueError(
+                f"launch.fault_tolerance: replicas needs at least 2 data-parallel replicas (parallel.dp_replicate="
+                f"{self.parallel.dp_replicate}); set parallel.dp_replicate=2 or more (DDP, or HSDP with dp_shard)"
+            )
+        if not self.checkpoint.memory_interval_steps:
+            raise ValueError(
+                "launch.fault_tolerance: replicas hands a rejoining replica the live state through host memory; "
+                "set checkpoint.memory_interval_steps (e.g. 10)"
+            )
+        return self
+
+    def with_replicas(self, replicas: int) -> JobConfig:
+        """This job on `replicas` of its parallel.dp_replicate replicas (launch.fault_tolerance=replicas): the same
+        global batch and schedule, each replica the same ranks."""
+        return self.model_copy(update={"parallel": self.parallel.model_copy(update={"dp_replicate": replicas})})
 
     @model_validator(mode="after")
     def _memory_snapshots_on_one_node(self) -> JobConfig:

@@ -7,7 +7,8 @@ cannot end up in a user's TOML or in `scaletrain train --print-config`:
 data_delay_ms: every rank sleeps this long in every data fetch; slow_rank, slow_rank_ms: that rank sleeps this long
 in every forward pass (pipeline: every schedule step), like a slower device; perturb_rank, perturb_step: that rank
 adds 1e-3 to one weight at that step, just before monitor.replica_check_interval's check (a silent error on one
-replica). The launcher's workers inherit the variable. Unset (the default) means no fault; a malformed value is refused with one line."""
+replica); stop_step: every rank stops after that step as a preempted run does (a checkpoint, exit 75), the same
+step on every rank (a test's reference run changes its layout there). The launcher's workers inherit the variable. Unset (the default) means no fault; a malformed value is refused with one line."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import os
 from collections.abc import Mapping
 
 ENV = "SCALETRAIN_FAULTS"
-KEYS = ("data_delay_ms", "slow_rank", "slow_rank_ms", "perturb_rank", "perturb_step")
-_INTEGERS = ("slow_rank", "perturb_rank", "perturb_step")
+KEYS = ("data_delay_ms", "slow_rank", "slow_rank_ms", "perturb_rank", "perturb_step", "stop_step")
+_INTEGERS = ("slow_rank", "perturb_rank", "perturb_step", "stop_step")
 EXAMPLE = "data_delay_ms=50,slow_rank=1,slow_rank_ms=80"
 
 
@@ -64,3 +65,9 @@ def injected_perturbation(environ: Mapping[str, str] = os.environ) -> tuple[int,
     if "perturb_rank" not in faults:
         return None
     return int(faults["perturb_rank"]), int(faults["perturb_step"])
+
+
+def injected_stop(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The step after which every rank stops as if preempted, from $SCALETRAIN_FAULTS; None when unset."""
+    step = parse_faults(environ.get(ENV, "")).get("stop_step")
+    return None if step is None else int(step)

@@ -96,4 +96,20 @@ def resolve_job(cfg: JobConfig, world_size: int) -> ResolvedJob:
         virtual_stages=cfg.parallel.stages_per_rank if piped else 1,
     )
     check_embedding_memory(cfg, spec, layout, world_size)  # sized by the data (bind_data)
+    if cfg.launch.fault_tolerance == "replicas" and degrees.dp_replicate > 1:
+        check_fewer_replicas(cfg, degrees)
     return ResolvedJob(spec=spec, layout=layout)
+
+
+def check_fewer_replicas(cfg: JobConfig, degrees: Layout) -> None:
+    """launch.fault_tolerance=replicas: the job must also resolve on each smaller count of its replicas, which train
+    on while one is refilled (the same global batch over fewer data-parallel ranks)."""
+    alone = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"fault_tolerance": "none"})})
+    for replicas in range(degrees.dp_replicate - 1, 0, -1):
+        try:
+            resolve_job(alone.with_replicas(replicas), degrees.replica_ranks * replicas)
+        except ValueError as e:
+            raise ValueError(
+                f"launch.fault_tolerance: replicas: on {replicas} of the {degrees.dp_replicate} replicas the job "
+                f"does not resolve ({e})"
+            ) from None

@@ -19,8 +19,8 @@ the rank's coordinate. So a spare that takes another rank than it warmed as empt
 first (it would otherwise place its shards at the other rank's offsets), and keeps only the rest of the warm-up.
 The torch RNG state is put back after it.
 
-Module level imports stay light: a spare lowers its priority before importing torch, so that on a host short of
-cores its imports do not slow the ranks that train.
+Module level imports stay light: the launcher lowers a spare's priority as it starts it, before it imports torch,
+so that on a host short of cores its imports do not slow the ranks that train.
 """
 
 from __future__ import annotations
@@ -38,8 +38,24 @@ CONNECT_S = 30.0  # TCPStore's connect, once the launcher's store was seen liste
 
 
 def order_key(slot: int, number: int) -> str:
-    """The launcher's `number`-th order to the process of `slot`: "GENERATION RANK" (rank -1: stop)."""
+    """The launcher's `number`-th order to the process of `slot`: "GENERATION RANK WORLD" (rank -1: stop)."""
     return f"{PREFIX}/slot{slot}/order{number}"
+
+
+def waiting_key(slot: int, number: int) -> str:
+    """Set by the process of `slot` once it waits for its `number`-th order (imported: ready to take a rank)."""
+    return f"{PREFIX}/slot{slot}/waiting{number}"
+
+
+def pause_key(generation: int) -> str:
+    """Set by the launcher: `generation`'s ranks stop at the next step boundary they agree on, their state in a
+    host-memory snapshot (a refilled replica rejoins in the next generation: launch.fault_tolerance=replicas)."""
+    return f"{PREFIX}/gen{generation}/pause"
+
+
+def paused_key(generation: int, rank: int) -> str:
+    """Set by `rank` when it paused in `generation` (pause_key) and waits for the next one."""
+    return f"{PREFIX}/gen{generation}/paused{rank}"
 
 
 def done_key(generation: int, rank: int) -> str:
@@ -61,6 +77,7 @@ def group_prefix(generation: int) -> str:
 class Order:
     generation: int
     rank: int  # STOP: leave
+    world: int = 0  # the generation's world size: fewer than the job's ranks while a replica is refilled
 
 
 def peer_lost(exc: BaseException) -> bool:
@@ -139,6 +156,7 @@ class _Process:
         import datetime
 
         key = order_key(self.slot, self.orders)
+        self.store.set(waiting_key(self.slot, self.orders), "")
         self.orders += 1
         # a spare waits as long as the run lasts: wait in slices so a long quiet run never trips the store timeout
         while True:
@@ -150,8 +168,8 @@ class _Process:
                     raise SystemExit(1) from None  # its store went with it: nothing to wait for
                 if "timeout" not in str(e).lower() and "Timeout" not in type(e).__name__:
                     raise
-        generation, rank = (int(x) for x in self.store.get(key).decode().split())
-        return Order(generation, rank)
+        generation, rank, world = (int(x) for x in self.store.get(key).decode().split())
+        return Order(generation, rank, world)
 
 
 def _listening(host: str, port: int) -> bool:
@@ -172,8 +190,8 @@ def serve(
     until it says stop. A rank's own error ends the process (exit 1) after logging it to the rank log."""
     # its own process group: when it dies, the launcher kills what it leaves behind (its checkpoint writer)
     os.setpgid(0, 0)
-    if spare:
-        _set_niceness(SPARE_NICENESS)
+    # a spare runs at the lower priority the launcher gave it as it started it (not set here again: the launcher
+    # may have raised it back already, having given the spare a place while it was still importing)
     from scaletrain.config import validate_config
     from scaletrain.train import loop  # noqa: F401  the trainer's imports (torch, the models, DCP), paid here once
 
@@ -285,16 +303,18 @@ def _run_generation(cfg, process: _Process, order: Order, nproc: int, terminal: 
     from scaletrain.monitor.rank_logs import log_exception, redirect_to_rank_log
     from scaletrain.parallel.runtime import init_distributed, pick_device_type, shutdown_distributed
     from scaletrain.resolve import settle_device_defaults
-    from scaletrain.train.loop import fit
+    from scaletrain.train.loop import Paused, fit
     from scaletrain.train.trainer import Trainer
 
-    generation, rank = order.generation, order.rank
+    generation, rank, world = order.generation, order.rank, order.world or nproc
+    if world != nproc:  # launch.fault_tolerance=replicas: the replicas left train on, each the same ranks
+        cfg = cfg.with_replicas(cfg.parallel.dp_replicate * world // nproc)
     # what the rank's code reads of the launcher's environment (the torchrun agent sets the same)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
         GROUP_RANK="0",
         TORCHELASTIC_RESTART_COUNT=str(generation),  # the rank log's "attempt"
     )
@@ -310,11 +330,11 @@ def _run_generation(cfg, process: _Process, order: Order, nproc: int, terminal: 
             "nccl" if device_type == "cuda" else "gloo",
             store=dist.PrefixStore(group_prefix(generation), process.store),
             rank=rank,
-            world_size=nproc,
+            world_size=world,
             timeout=datetime.timedelta(seconds=cfg.launch.collective_timeout_s),
         )
-        rt = init_distributed(device_type, cfg.launch.collective_timeout_s)  # the group above: device and ranks
-        trainer = Trainer.build(cfg, rt)
+        # the group above gives the device and ranks
+        trainer = Trainer.build(cfg, init_distributed(device_type, cfg.launch.collective_timeout_s))
         configure_logging(rank, cfg.monitor.all_ranks_log, console)
         if generation:
             from scaletrain.monitor import log
@@ -325,7 +345,14 @@ def _run_generation(cfg, process: _Process, order: Order, nproc: int, terminal: 
                 time.perf_counter() - t0,
                 os.getpid(),
             )
-        summary = fit(trainer, console)
+        pause = None
+        if cfg.launch.fault_tolerance == "replicas":
+            asked = pause_key(generation)
+            pause = lambda: rank == 0 and process.store.check([asked])  # noqa: E731  the others learn by agreement
+        summary = fit(trainer, console, pause=pause)
+    except Paused:
+        summary = None
+        reported = paused_key(generation, rank)
     except BaseException as e:
         if not (isinstance(e, Exception) and peer_lost(e)):
             if not isinstance(e, SystemExit):
@@ -338,9 +365,14 @@ def _run_generation(cfg, process: _Process, order: Order, nproc: int, terminal: 
             f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}); waiting for the next generation\n"
         )
         sys.stderr.flush()
+        summary = None
+        reported = left_key(generation, rank)
+    if summary is None:
+        # out of the except block, so the traceback (which holds every frame of the failed step) is gone
         _close(trainer)
+        trainer = None
         _leave_group()
-        process.store.set(left_key(generation, rank), "")
+        process.store.set(reported, "")
         return
     _close(trainer)
     shutdown_distributed(wait_for_peers=True)
@@ -364,6 +396,16 @@ def _leave_group() -> None:
     _stop_checkpoint_writer()
     if not dist.is_initialized():
         return
+    gc.collect()  # the failed generation's trainer, dropped by the caller
+    # DTensor's caches keep the generation's meshes (they serve the next one: module docstring), and each mesh
+    # holds its process groups: a gloo group closes its sockets only when the last reference goes, and until then a
+    # peer blocked in a collective with this rank waits for it until the collective timeout (eager code finds the
+    # groups by name, never through these references)
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
     if dist.get_backend() == "nccl":
         dist.distributed_c10d._abort_process_group()
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import torch.distributed as dist
 
@@ -19,7 +19,7 @@ from scaletrain.config.schema import JobConfig
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.inference.samples import PromptSampler
 from scaletrain.monitor import StepProgress, configure_logging, log
-from scaletrain.monitor.faults import injected_perturbation
+from scaletrain.monitor.faults import injected_perturbation, injected_stop
 from scaletrain.monitor.replicas import ReplicaCheck
 from scaletrain.monitor.run_record import begin_run
 from scaletrain.monitor.session import MonitorContext, TrainMonitor
@@ -29,7 +29,16 @@ from scaletrain.train.preemption import PreemptionWatch
 from scaletrain.train.trainer import NonFiniteError, StepResult, Trainer
 from scaletrain.train.watchdog import Watchdog
 
-__all__ = ["NonFiniteError", "fit", "train"]
+__all__ = ["NonFiniteError", "Paused", "fit", "train"]
+
+
+class Paused(Exception):
+    """fit() stopped at a step boundary because the launcher asked (launch.fault_tolerance=replicas: a refilled
+    replica rejoins): the state of `step` is in a host-memory snapshot, which the next generation resumes from."""
+
+    def __init__(self, step: int):
+        super().__init__(f"paused after step {step}")
+        self.step = step
 
 
 class RankAgreement:
@@ -82,6 +91,8 @@ def open_checkpoints(trainer: Trainer, out: Path) -> CheckpointManager:
         {
             "layout": trainer.layout.describe_mesh(),
             "world_size": rt.world_size,
+            # a memory snapshot loads into another replica count of the same degrees (launch.fault_tolerance)
+            "degrees": {**trainer.layout.sizes(), "ep": trainer.layout.ep},
             "model": cfg.model.name,
             "model_spec": trainer.spec.manifest(),
             "seed": cfg.run.seed,  # the init by name of weights a checkpoint leaves out (frozen): export remakes them
@@ -196,6 +207,8 @@ class _LogWindow:
             f"{trainer.task.unit}_per_s": tps,  # tokens_per_s for causal-lm, images_per_s for a classifier
         }
         record.update(trainer.job.step_metrics)  # the model's own (an MoE model's expert load)
+        if trainer.cfg.launch.fault_tolerance == "replicas":  # the replicas that trained this step
+            record["replicas"] = trainer.layout.dp_replicate
         if trainer.job.scaler is not None:
             record["loss_scale"] = float(trainer.job.scaler.get_scale())
         record = outputs.monitor.on_log(record)  # MFU, rank-aggregated breakdown (all ranks take part)
@@ -252,9 +265,16 @@ class _CompileWatch:
             self.compiling_step, self.eager_step_s = step + 1, decision.eager_step_s
 
 
-def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileProbe | None = None) -> dict:
+def fit(
+    trainer: Trainer,
+    console: TextIO | None = None,
+    compile_probe: CompileProbe | None = None,
+    pause: Callable[[], bool] | None = None,
+) -> dict:
     """Train `trainer` to train.steps with checkpoints, metrics, evaluation, preemption and hang detection.
-    compile_probe: how parallel.compile=auto decides (default: CompileProbe's measured figures)."""
+    compile_probe: how parallel.compile=auto decides (default: CompileProbe's measured figures).
+    pause: asked on every rank after each step (one rank's yes suffices, agreed a step later like preemption):
+    True snapshots the step's state to host memory and raises Paused (the in-process launcher's rejoin)."""
     cfg, rt = trainer.cfg, trainer.rt
     out = cfg.run_dir()
     ckpt = open_checkpoints(trainer, out)
@@ -292,6 +312,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
     watchdog.completed(start_step)
     agreement = RankAgreement()
     mon = outputs.monitor
+    stop_at = injected_stop()  # a test's stop at a fixed step (monitor/faults.py)
     replicas = ReplicaCheck(cfg.monitor.replica_check_interval, trainer.model.module, injected_perturbation())
     sampler = PromptSampler(
         cfg, trainer.spec, trainer.model.module, rt.rank, rt.device, pipelined=trainer.model.pipeline is not None
@@ -322,18 +343,27 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
                     outputs.write({"step": step, **val_metrics, **({"samples": samples} if samples else {})})
                     outputs.progress.message(f"step {step}: validation loss {val_loss:.4f}")
                 watchdog.beat(step, "end-of-step agreement")
-                stop, minutes_due = agreement.exchange(preemption.requested, ckpt.minutes_due())
+                stop, minutes_due, paused = agreement.exchange(
+                    preemption.requested, ckpt.minutes_due(), pause is not None and pause()
+                )
+                stop = stop or step == stop_at
                 if stop:
                     agreement.close()
                     ckpt.save(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict(), sync=True)
                     log.warning(
                         "preempted (%s): checkpoint of step %d saved; exiting %d so the job is requeued",
-                        preemption.signal_name or "signal on another rank",
+                        preemption.signal_name or ("stop_step" if step == stop_at else "signal on another rank"),
                         step,
                         EXIT_REQUEUE,
                     )
                     raise SystemExit(EXIT_REQUEUE)
                 watchdog.beat(step, "checkpoint")
+                if paused and not last:
+                    agreement.close()
+                    ckpt.finish_pending()
+                    ckpt.snapshot(step, trainer.model.module, trainer.job.optimizer, trainer.state_dict())
+                    log.info("paused after step %d: its state is in host memory for the next generation", step)
+                    raise Paused(step)
                 if not last and (
                     (cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0) or minutes_due
                 ):
@@ -348,7 +378,7 @@ def fit(trainer: Trainer, console: TextIO | None = None, compile_probe: CompileP
             if cfg.checkpoint.save_final:
                 ckpt.save(cfg.train.steps, trainer.model.module, trainer.job.optimizer, trainer.state_dict(), sync=True)
             ckpt.close()
-    except SystemExit:  # preempted: the checkpoint is saved, the outputs are whole
+    except (SystemExit, Paused):  # preempted or paused: the state is saved, the outputs are whole
         outputs.close(end="stopped")
         raise
     except BaseException:
