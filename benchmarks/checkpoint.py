@@ -43,6 +43,13 @@ from peers import PROBE, machine  # noqa: E402  (the probe and machine line benc
 
 SECTION = "## Checkpoints: save stall, throughput, recovery"
 TARGET_STALL = 0.10  # issue 19: async stall at most 10 % of the sync save's
+# recovery modes: the launch overrides of each (replicas: the ranks are 2 DDP replicas, the lost one's is refilled
+# while the other trains on)
+RESTART_MODES = {
+    "process": ["launch.restart=process"],
+    "in-process": ["launch.restart=in-process"],
+    "replicas": ["launch.restart=in-process", "launch.fault_tolerance=replicas", "parallel.dp_replicate=2"],
+}
 MODELS = "tiny:dim=64:n_layers=1,tiny,small,base"  # ~1, 10, 72 and 290 MB of model + AdamW state
 
 
@@ -351,7 +358,7 @@ RECOVERY_PHASES = [
 
 
 def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -> dict:
-    """One `scaletrain train` (launch.restart=`mode`) SIGKILLed on --kill-rank: unix times of each mark, for its
+    """One `scaletrain train` (RESTART_MODES[`mode`]) SIGKILLed on --kill-rank: unix times of each mark, for its
     fresh start and its restart; the run is stopped once the first step after the restart is logged (nothing
     later is measured)."""
     name = f"recovery-{mode}{rep}"
@@ -371,7 +378,7 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
         f"checkpoint.memory_interval_steps={a.memory_interval}",
         *a.set,
         "launch.max_restarts=1",
-        f"launch.restart={mode}",
+        *RESTART_MODES[mode],
         "train.eval_interval=0",
         "train.eval_batches=1",
         "monitor.progress=false",
@@ -403,7 +410,7 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
             os.kill(old[a.kill_rank], signal.SIGKILL)
             again["launch"] = time.time()  # the kill starts the recovery clock
             # in-process: only the killed rank ends; the survivors stay
-            stopping = [old[a.kill_rank]] if mode == "in-process" else list(old.values())
+            stopping = [old[a.kill_rank]] if mode != "process" else list(old.values())
             again["stopped"] = wait(lambda: not any(map(_alive, stopping)), "exit of the old ranks")
             new_pid = {}
 
@@ -494,7 +501,7 @@ def modes_table(by_mode: dict[str, list[dict]]) -> list[str]:
     ]
     for mode, runs in by_mode.items():
         took = statistics.median(r["again"]["row"] - r["again"]["launch"] for r in runs)
-        out.append(f"| launch.restart={mode}: kill → next metrics row | {took:.2f} | {took / fresh:.2f} |")
+        out.append(f"| {', '.join(RESTART_MODES[mode])}: kill → next metrics row | {took:.2f} | {took / fresh:.2f} |")
     return out
 
 
@@ -528,7 +535,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kill-at", type=int, default=13, help="recovery: SIGKILL once this step is logged")
     ap.add_argument("--kill-rank", type=int, default=1, choices=[0, 1])
     ap.add_argument(
-        "--restart-modes", default="process,in-process", help="recovery: launch.restart values, side by side"
+        "--restart-modes",
+        default="process,in-process",
+        help="recovery, side by side: launch.restart values, and replicas (in-process with "
+        "launch.fault_tolerance=replicas on 2 DDP replicas: the other replica trains on; needs --memory-interval)",
     )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
@@ -544,8 +554,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.models = a.models.split(",")
     a.restart_modes = a.restart_modes.split(",")
     for mode in a.restart_modes:
-        if mode not in ("process", "in-process"):
-            ap.error(f"--restart-modes: unknown mode {mode!r}; choose from process, in-process")
+        if mode not in RESTART_MODES:
+            ap.error(f"--restart-modes: unknown mode {mode!r}; choose from {', '.join(RESTART_MODES)}")
+    if "replicas" in a.restart_modes and a.memory_interval < 1:
+        ap.error("--restart-modes replicas: set --memory-interval (the replicas hand over their state in host memory)")
     if a.reps < 1 or a.steps_per_save < 1:
         ap.error("--reps and --steps-per-save: need at least 1")
     if a.global_batch % 2:
@@ -602,12 +614,12 @@ def main(argv: list[str] | None = None) -> None:
             by_mode: dict[str, list[dict]] = {}
             for rep in range(a.reps):
                 for mode in a.restart_modes:  # interleaved: a drift in the machine's load hits every mode alike
-                    print(f"recovery {rep + 1}/{a.reps}, launch.restart={mode}", file=sys.stderr, flush=True)
+                    print(f"recovery {rep + 1}/{a.reps}, {mode}", file=sys.stderr, flush=True)
                     by_mode.setdefault(mode, []).append(recovery_run(a, rep, Path(tmp), env, mode))
             for mode, runs in by_mode.items():
                 lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
                 report += [
-                    f"**Recovery from SIGKILL of rank {a.kill_rank}, launch.restart={mode}** (`scaletrain train`, "
+                    f"**Recovery from SIGKILL of rank {a.kill_rank}, {', '.join(RESTART_MODES[mode])}** (`scaletrain train`, "
                     f"model {a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
                     f"launch.max_restarts=1, launch.spares=1, {a.reps} runs; killed after step → resumed from "
                     f"step: {lost}).",

@@ -133,6 +133,10 @@ def test_checkpoint_benchmark_runs(tmp_path):
             "2",
             "--kill-at",
             "5",
+            "--restart-modes",
+            "process,replicas",  # replicas runs the in-process launcher too
+            "--memory-interval",
+            "1",
             "--markdown",
             str(report),
         ],
@@ -155,6 +159,8 @@ def test_checkpoint_benchmark_runs(tmp_path):
     total = next(row for row in lines if row.startswith("| **total**"))
     # columns: fresh start, recovery (a fresh start restores nothing: its restore may round to 0.00)
     assert numbers(restore)[1] > 0 and numbers(total)[0] > 0 and numbers(total)[1] > 0, (restore, total)
+    side = [row for row in lines if "kill → next metrics row" in row]
+    assert len(side) == 2 and "launch.fault_tolerance=replicas" in side[1] and numbers(side[1])[0] > 0, side
     text = report.read_text()
     assert text.startswith("# Benchmarks\n\n## Notes\n\nhand-written\n")
     assert "## Checkpoints: save stall, throughput, recovery" in text and "| **total**" in text
