@@ -18,6 +18,11 @@ Recovery: the real `scaletrain train` (2 CPU ranks, launch.max_restarts=1, a che
 SIGKILLed on one rank once --kill-at steps are logged; the clock runs from the kill to the first metrics.jsonl row
 of a step after the one it resumed from. benchmarks/probe/sitecustomize.py stamps each rank's start, process
 group, and restore, which splits it; the same run's first start (launch to the row of step 1) is the baseline.
+--restart-modes sets them side by side: process, in-process, replicas (2 DDP replicas, launch.fault_tolerance).
+
+Goodput (--parts goodput): the same job for --goodput-s seconds from its first step (600: ten minutes), a random
+rank SIGKILLed every --kill-every-s (120), in each restart mode, beside an undisturbed run for as long: the steps
+each had trained when stopped, over the undisturbed run's.
 """
 
 from __future__ import annotations
@@ -430,23 +435,7 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
 
             again["row"] = wait(resumed_row, "metrics row after the restart")
         finally:
-            # in-process ranks and spares run in process groups of their own: end every descendant, and wait for
-            # them, before the temporary folder they write into is removed
-            try:
-                family = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                family = []
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for p in family:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-            proc.wait()
-            psutil.wait_procs(family, timeout=30)
+            _end_family(proc)
     fresh.update({k: e["unix"] for k, e in _events(events, old[0]).items()})
     # a survivor's or a warm spare's marks from before the kill belong to the first start
     again.update({k: e["unix"] for k, e in _events(events, new_pid["pid"], after=again["launch"]).items()})
@@ -456,6 +445,110 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
         "killed_at_step": killed_at_step,
         "resumed_from": _events(events, new_pid["pid"], after=again["launch"])["restore_end"]["step"],
     }
+
+
+# the layout each restart mode trains in (replicas: 2 DDP replicas); its goodput is against an undisturbed run of it
+GOODPUT_LAYOUTS = {"replicas": ["parallel.dp_replicate=2"]}
+
+
+def goodput_run(a, workdir: Path, env: dict, mode: str | None, layout: list[str], seed: int = 0) -> dict:
+    """`scaletrain train` (RESTART_MODES[`mode`]; None: an undisturbed run of `layout`) for --goodput-s seconds
+    from the first metrics row, a random rank SIGKILLed every --kill-every-s of them; then the whole run is stopped.
+    Returns the steps it had trained (the newest metrics row: a restart drops the rows after the step it resumed
+    from) and the kills."""
+    import random
+
+    name = f"goodput-{mode or 'undisturbed'}{'-' + '-'.join(layout).replace('=', '') if layout else ''}"
+    run = workdir / "runs" / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        *model_overrides(a.recovery_model),
+        *job_overrides(a),
+        "train.steps=1000000",
+        "monitor.log_interval=1",
+        f"checkpoint.interval_steps={a.interval}",
+        f"checkpoint.memory_interval_steps={a.memory_interval}",
+        *a.set,
+        *layout,
+        *(RESTART_MODES[mode] if mode else []),
+        f"launch.max_restarts={int(a.goodput_s // a.kill_every_s) + 1 if mode else 0}",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        f"run.name={name}",
+        "--nproc-per-node",
+        "2",
+    ]
+    log = workdir / f"{name}.log"
+    pick, kills = random.Random(seed), 0
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir, start_new_session=True)
+        try:
+            deadline = time.monotonic() + a.timeout
+            while 1 not in _rows(run):  # the clock starts at the first step: start-up is the same for every mode
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"goodput run {name}: no first step (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
+                    )
+                time.sleep(0.05)
+            start = time.monotonic()
+            next_kill = start + a.kill_every_s if mode else float("inf")
+            while time.monotonic() < start + a.goodput_s:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"goodput run {name} ended (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+                if time.monotonic() >= next_kill:
+                    pids = _heartbeat_pids(run)
+                    live = sorted(r for r, pid in pids.items() if _alive(pid))
+                    if live:
+                        os.kill(pids[pick.choice(live)], signal.SIGKILL)
+                        kills += 1
+                    next_kill += a.kill_every_s
+                time.sleep(0.05)
+            trained = max(_rows(run), default=0)
+        finally:
+            _end_family(proc)
+    return {"mode": mode, "layout": layout, "steps": trained, "kills": kills}
+
+
+def _end_family(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch and every process it started (in-process ranks and spares run in process groups of their
+    own), and wait for them, before the folder they write into is removed."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(family, timeout=30)
+
+
+def goodput_table(runs: list[dict], a) -> list[str]:
+    clean = {" ".join(r["layout"]): r["steps"] for r in runs if r["mode"] is None}
+    out = [
+        f"**Goodput** (`scaletrain train`, model {a.recovery_model}, 2 CPU ranks, {a.goodput_s:.0f} s from the first "
+        f"step, a random rank SIGKILLed every {a.kill_every_s:.0f} s; checkpoint every {a.interval} steps (async), "
+        f"host-memory snapshot every {a.memory_interval}; steps trained ÷ those of the undisturbed run of the same "
+        f"layout in the same time).",
+        "",
+        "| run | kills | steps trained | goodput |",
+        "|---|---|---|---|",
+    ]
+    for r in runs:
+        label = "undisturbed" if r["mode"] is None else ", ".join(RESTART_MODES[r["mode"]])
+        label += f" ({', '.join(r['layout'])})" if r["layout"] and r["mode"] != "replicas" else ""
+        out.append(f"| {label} | {r['kills']} | {r['steps']} | {r['steps'] / clean[' '.join(r['layout'])]:.2f} |")
+    return out
 
 
 def phases(marks: dict) -> list[float | None]:
@@ -510,7 +603,7 @@ def modes_table(by_mode: dict[str, list[dict]]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="stall,recovery", help="stall (also gives throughput) and/or recovery")
+    ap.add_argument("--parts", default="stall,recovery", help="stall (also gives throughput), recovery and/or goodput")
     ap.add_argument(
         "--models", default=MODELS, help="comma-separated presets, each with optional :field=value model overrides"
     )
@@ -540,6 +633,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recovery, side by side: launch.restart values, and replicas (in-process with "
         "launch.fault_tolerance=replicas on 2 DDP replicas: the other replica trains on; needs --memory-interval)",
     )
+    ap.add_argument("--goodput-s", type=float, default=600, help="goodput: seconds of training measured per run")
+    ap.add_argument("--kill-every-s", type=float, default=120, help="goodput: a random rank SIGKILLed this often")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
     ap.add_argument("--markdown", type=Path, help=f"also write the tables into this file's '{SECTION}' section")
@@ -549,8 +644,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.parts = a.parts.split(",")
     for part in a.parts:
-        if part not in ("stall", "recovery"):
-            ap.error(f"--parts: unknown part {part!r}; choose from stall, recovery")
+        if part not in ("stall", "recovery", "goodput"):
+            ap.error(f"--parts: unknown part {part!r}; choose from stall, recovery, goodput")
+    if "goodput" in a.parts and not 0 < a.kill_every_s < a.goodput_s:
+        ap.error("--kill-every-s: must be more than 0 and less than --goodput-s")
     a.models = a.models.split(",")
     a.restart_modes = a.restart_modes.split(",")
     for mode in a.restart_modes:
@@ -628,6 +725,16 @@ def main(argv: list[str] | None = None) -> None:
                     "",
                 ]
             report += [*modes_table(by_mode), ""]
+        if "goodput" in a.parts:
+            good = []
+            layouts = {" ".join(GOODPUT_LAYOUTS.get(m, [])): GOODPUT_LAYOUTS.get(m, []) for m in a.restart_modes}
+            for mode, layout in [
+                *((None, x) for x in layouts.values()),
+                *((m, GOODPUT_LAYOUTS.get(m, [])) for m in a.restart_modes),
+            ]:
+                print(f"goodput, {mode or 'undisturbed'} {' '.join(layout)}", file=sys.stderr, flush=True)
+                good.append(goodput_run(a, Path(tmp), env, mode, layout))
+            report += [*goodput_table(good, a), ""]
     # other jobs on a shared machine slow both modes but blur the split: say how loaded it was
     report += [
         f"Load average (1 min) at start and end: {load[0]:.1f}, {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores.",

@@ -137,6 +137,12 @@ def test_checkpoint_benchmark_runs(tmp_path):
             "process,replicas",  # replicas runs the in-process launcher too
             "--memory-interval",
             "1",
+            "--parts",
+            "stall,recovery,goodput",
+            "--goodput-s",
+            "3",
+            "--kill-every-s",
+            "1.5",
             "--markdown",
             str(report),
         ],
@@ -159,6 +165,14 @@ def test_checkpoint_benchmark_runs(tmp_path):
     total = next(row for row in lines if row.startswith("| **total**"))
     # columns: fresh start, recovery (a fresh start restores nothing: its restore may round to 0.00)
     assert numbers(restore)[1] > 0 and numbers(total)[0] > 0 and numbers(total)[1] > 0, (restore, total)
+    # goodput: each mode's run against an undisturbed run of its layout (replicas: DDP 2); columns kills, steps,
+    # goodput (the clock starts at the first step: every run has trained at least that one)
+    good = {row.split(" | ")[0].strip("| "): numbers(row) for row in lines if row.count(" | ") == 3}
+    assert good["undisturbed"][0] == 0 and good["undisturbed"][2] == 1.0, good
+    assert good["undisturbed (parallel.dp_replicate=2)"][2] == 1.0, good
+    assert good["launch.restart=process"][0] >= 1 and good["launch.restart=process"][1] >= 1, good
+    replicas = next(v for k, v in good.items() if "launch.fault_tolerance=replicas" in k)
+    assert replicas[0] >= 1 and replicas[1] >= 1, good
     side = [row for row in lines if "kill → next metrics row" in row]
     assert len(side) == 2 and "launch.fault_tolerance=replicas" in side[1] and numbers(side[1])[0] > 0, side
     text = report.read_text()
