@@ -44,15 +44,15 @@ JOB = [
 SLOW_STEPS = {FAULTS: "data_delay_ms=80"}  # time to kill between two snapshots; the arithmetic is unchanged
 
 
-def start_slow_train(cwd: Path, args: list[str], stdout=subprocess.PIPE) -> subprocess.Popen:
-    """`scaletrain train ARGS` in the background, its steps slowed (SLOW_STEPS), stderr piped (as text)."""
+def start_slow_train(cwd: Path, args: list[str], stdout=subprocess.PIPE, env: dict | None = None) -> subprocess.Popen:
+    """`scaletrain train ARGS` in the background, its steps slowed (SLOW_STEPS, or `env`), stderr piped (as text)."""
     return subprocess.Popen(
         [sys.executable, "-m", "scaletrain.cli.main", "train", *args],
         cwd=cwd,
         stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **SLOW_STEPS},
+        env={**os.environ, **(env or SLOW_STEPS)},
     )
 
 

@@ -20,6 +20,7 @@ from scaletrain.config import ConfigError, load_config
 from scaletrain.config.layout import Layout
 from scaletrain.exit_codes import EXIT_REQUEUE
 from scaletrain.monitor import read_jsonl
+from scaletrain.monitor.faults import ENV as FAULTS
 from scaletrain.resolve import resolve_job
 
 STEPS = 40  # the refilled replica (a spare, warming up beside the ranks) must be ready before the end
@@ -91,7 +92,10 @@ def test_a_replica_is_the_same_positions_in_every_pipeline_stage():
 def test_a_replica_killed_the_other_trains_on_the_refilled_one_rejoins_and_losses_match(tmp_path):
     ft = tmp_path / "ft"
     ft.mkdir()
-    proc = start_slow_train(ft, [*JOB, *FT, "parallel.dp_replicate=2", "launch.nproc_per_node=4"])
+    # steps slowed by sleeps in the data fetch (the arithmetic is unchanged): the spare that refills replica 1 gets
+    # the cores it needs to be ready well before the last step, on a loaded host too
+    args = [*JOB, *FT, "parallel.dp_replicate=2", "launch.nproc_per_node=4"]
+    proc = start_slow_train(ft, args, env={FAULTS: "data_delay_ms=200"})
     run = ft / "runs" / "run"
     deadline = time.monotonic() + 300
     wait_while_running(proc, lambda: _snapshot_step(run) >= 3, deadline)
