@@ -88,6 +88,31 @@ def test_a_replica_is_the_same_positions_in_every_pipeline_stage():
     assert seen == {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15]}
 
 
+def test_a_snapshot_of_another_replica_count_loads_each_rank_from_its_position_in_the_first_replica(tmp_path):
+    from scaletrain.checkpoint.manager import BY_REPLICA, SAME_RANKS, CheckpointManager
+    from scaletrain.config.schema import CheckpointConfig
+
+    def degrees(replicas: int, shard: int = 2) -> dict:
+        return {"pp": 2, "dp_replicate": replicas, "dp_shard": shard, "cp": 1, "tp": 1, "ep": 1}
+
+    def info(replicas: int, shard: int = 2) -> dict:
+        return {
+            "layout": f"r{replicas}s{shard}",
+            "world_size": 2 * replicas * shard,
+            "degrees": degrees(replicas, shard),
+        }
+
+    cfg = CheckpointConfig(async_save=False, keep=0, memory_interval_steps=1)
+    # 2 pipeline stages x 2 replicas x dp_shard 2: rank 6 is stage 1, replica 1, shard 0
+    ckpt = CheckpointManager(cfg, tmp_path, 6, 8, info(2))
+    assert ckpt._snapshot_fits(info(2)) == SAME_RANKS and ckpt._snapshot_file(SAME_RANKS, 2) == "rank6.pt"
+    assert ckpt._snapshot_fits(info(1)) == BY_REPLICA and ckpt._snapshot_fits(info(3)) == BY_REPLICA
+    assert ckpt._snapshot_file(BY_REPLICA, 1) == "rank2.pt"  # the 1-replica run's stage 1, shard 0
+    assert ckpt._snapshot_file(BY_REPLICA, 3) == "rank6.pt"  # 3 replicas: stage 1 starts at rank 6
+    assert ckpt._snapshot_fits(info(2, shard=4)) == 0  # other shards: the disk checkpoints instead
+    assert ckpt._snapshot_fits({"layout": "old", "world_size": 4}) == 0  # a snapshot without degrees
+
+
 @pytest.mark.slow  # a 4-rank launch with a kill, and a 3-launch reference (4, 2, 4 ranks)
 def test_a_replica_killed_the_other_trains_on_the_refilled_one_rejoins_and_losses_match(tmp_path):
     ft = tmp_path / "ft"
