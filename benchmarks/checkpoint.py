@@ -713,12 +713,14 @@ def main(argv: list[str] | None = None) -> None:
                 for mode in a.restart_modes:  # interleaved: a drift in the machine's load hits every mode alike
                     print(f"recovery {rep + 1}/{a.reps}, {mode}", file=sys.stderr, flush=True)
                     by_mode.setdefault(mode, []).append(recovery_run(a, rep, Path(tmp), env, mode))
+            # the launch overrides --set gave (launch.spares and the like), else the default spare
+            spares = ", ".join(a.set) if a.set else "launch.spares=1"
             for mode, runs in by_mode.items():
                 lost = " ".join(f"{r['killed_at_step']}→{r['resumed_from']}" for r in runs)
                 report += [
                     f"**Recovery from SIGKILL of rank {a.kill_rank}, {', '.join(RESTART_MODES[mode])}** (`scaletrain train`, "
                     f"model {a.recovery_model}, 2 CPU ranks, checkpoint every {a.interval} steps (async), "
-                    f"launch.max_restarts=1, launch.spares=1, {a.reps} runs; killed after step → resumed from "
+                    f"launch.max_restarts=1, {spares}, {a.reps} runs; killed after step → resumed from "
                     f"step: {lost}).",
                     "",
                     *recovery_table(runs),
