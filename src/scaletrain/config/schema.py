@@ -546,8 +546,8 @@ class LaunchConfig(Section):
     fault_tolerance: Literal["none", "replicas"] = Field(
         "none",
         description="launch.restart=in-process with parallel.dp_replicate > 1 (DDP or HSDP replicas): replicas = "
-        "when a rank dies, the other replicas train on without waiting (same global batch: more accumulation per "
-        "replica) while its replica is refilled; the refilled replica takes the live state from host memory and "
+        "when a rank dies, the other replicas train on without waiting (the same global batch: a larger micro-batch "
+        "or more accumulation per replica) while its replica is refilled; the refilled replica takes the live state from host memory and "
         "rejoins at a step boundary (needs checkpoint.memory_interval_steps > 0); none = every rank waits",
     )
     spares: int = Field(

@@ -8,7 +8,8 @@ data_delay_ms: every rank sleeps this long in every data fetch; slow_rank, slow_
 in every forward pass (pipeline: every schedule step), like a slower device; perturb_rank, perturb_step: that rank
 adds 1e-3 to one weight at that step, just before monitor.replica_check_interval's check (a silent error on one
 replica); stop_step: every rank stops after that step as a preempted run does (a checkpoint, exit 75), the same
-step on every rank (a test's reference run changes its layout there). The launcher's workers inherit the variable. Unset (the default) means no fault; a malformed value is refused with one line."""
+step on every rank (a test's reference run changes its layout there). The launcher's workers inherit the variable.
+Unset (the default) means no fault; a malformed value is refused with one line."""
 
 from __future__ import annotations
 
