@@ -362,6 +362,31 @@ RECOVERY_PHASES = [
 ]
 
 
+def train_command(a, name: str, steps: int, launch: list[str]) -> list[str]:
+    """The `scaletrain train` command of a recovery or goodput run on 2 CPU ranks: the job, a metrics row every
+    step, --interval's checkpoints and --memory-interval's snapshots, --set, then `launch` (restart mode, layout)."""
+    return [
+        sys.executable,
+        "-m",
+        "scaletrain.cli.main",
+        "train",
+        *model_overrides(a.recovery_model),
+        *job_overrides(a),
+        f"train.steps={steps}",
+        "monitor.log_interval=1",
+        f"checkpoint.interval_steps={a.interval}",
+        f"checkpoint.memory_interval_steps={a.memory_interval}",
+        *a.set,
+        *launch,
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "monitor.progress=false",
+        f"run.name={name}",
+        "--nproc-per-node",
+        "2",
+    ]
+
+
 def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -> dict:
     """One `scaletrain train` (RESTART_MODES[`mode`]) SIGKILLed on --kill-rank: unix times of each mark, for its
     fresh start and its restart; the run is stopped once the first step after the restart is logged (nothing
@@ -370,27 +395,7 @@ def recovery_run(a, rep: int, workdir: Path, env: dict, mode: str = "process") -
     run, events = workdir / "runs" / name, workdir / f"events-{name}"
     events.mkdir()
     env = {**env, "SCALETRAIN_BENCH_EVENTS": str(events)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain.cli.main",
-        "train",
-        *model_overrides(a.recovery_model),
-        *job_overrides(a),
-        f"train.steps={a.kill_at + 100}",
-        "monitor.log_interval=1",
-        f"checkpoint.interval_steps={a.interval}",
-        f"checkpoint.memory_interval_steps={a.memory_interval}",
-        *a.set,
-        "launch.max_restarts=1",
-        *RESTART_MODES[mode],
-        "train.eval_interval=0",
-        "train.eval_batches=1",
-        "monitor.progress=false",
-        f"run.name={name}",
-        "--nproc-per-node",
-        "2",
-    ]
+    cmd = train_command(a, name, a.kill_at + 100, ["launch.max_restarts=1", *RESTART_MODES[mode]])
     log = workdir / f"{name}.log"
     deadline = time.monotonic() + a.timeout
     with open(log, "w") as out:
@@ -460,28 +465,9 @@ def goodput_run(a, workdir: Path, env: dict, mode: str | None, layout: list[str]
 
     name = f"goodput-{mode or 'undisturbed'}{'-' + '-'.join(layout).replace('=', '') if layout else ''}"
     run = workdir / "runs" / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "scaletrain.cli.main",
-        "train",
-        *model_overrides(a.recovery_model),
-        *job_overrides(a),
-        "train.steps=1000000",
-        "monitor.log_interval=1",
-        f"checkpoint.interval_steps={a.interval}",
-        f"checkpoint.memory_interval_steps={a.memory_interval}",
-        *a.set,
-        *layout,
-        *(RESTART_MODES[mode] if mode else []),
-        f"launch.max_restarts={int(a.goodput_s // a.kill_every_s) + 1 if mode else 0}",
-        "train.eval_interval=0",
-        "train.eval_batches=1",
-        "monitor.progress=false",
-        f"run.name={name}",
-        "--nproc-per-node",
-        "2",
-    ]
+    restarts = int(a.goodput_s // a.kill_every_s) + 1 if mode else 0
+    launch = [*layout, *(RESTART_MODES[mode] if mode else []), f"launch.max_restarts={restarts}"]
+    cmd = train_command(a, name, 1_000_000, launch)
     log = workdir / f"{name}.log"
     pick, kills = random.Random(seed), 0
     with open(log, "w") as out:
