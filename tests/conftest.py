@@ -59,12 +59,12 @@ def run_cli_in_process(args: list[str], cwd: Path, check: bool = True) -> subpro
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`args` (a script and its arguments, or `-m module ...`) under torch's own launcher on `nproc` local ranks with
-    a free rendezvous port, or as one plain process for nproc 1; one thread per rank; must exit 0."""
+    """`args` (a script and its arguments) under torch's own agent on `nproc` local ranks with a free rendezvous
+    port, the ranks forked from one process that imported torch and the script's imports (tests/rank_launcher.py), or
+    as one plain process for nproc 1; one thread per rank; must exit 0."""
     cmd = [sys.executable, *args]
     if nproc > 1:
-        launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-        cmd = [sys.executable, *launcher, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", *args]
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "rank_launcher.py"), str(nproc), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

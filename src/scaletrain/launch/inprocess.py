@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
-from scaletrain.launch.local import LocalRendezvous, open_rendezvous, worker_environment
+from scaletrain.launch.local import LocalRendezvous, forked_ranks, open_rendezvous, worker_environment
 from scaletrain.train.inprocess import (
     STOP,
     done_key,
@@ -77,13 +77,15 @@ class _Group:
     store: object
     workers: list[_Worker] = field(default_factory=list)
     members: dict[int, _Worker] = field(default_factory=dict)  # rank -> process, current generation
+    start_method: str = "spawn"  # forked_ranks' pick
 
     def start(self, spare: bool) -> _Worker:
         from scaletrain.train.inprocess import serve
 
         slot = len(self.workers)
         warm_rank = self.next_warm_rank() if spare else None
-        ctx = multiprocessing.get_context("spawn")
+        forked = self.start_method == "forkserver"
+        ctx = multiprocessing.get_context("forkserver") if forked else multiprocessing.get_context("spawn")
         proc = ctx.Process(
             target=serve,
             args=(slot, self.host, self.port, self.cfg.model_dump(), self.nproc, spare, warm_rank, os.getpid()),
@@ -91,7 +93,7 @@ class _Group:
             daemon=False,
         )
         proc.start()
-        if spare:  # at once: a spawned child imports the launcher's modules before serve() lowers it itself
+        if spare:  # at once: a spawned child imports the trainer's modules before serve() could lower it itself
             _lower_priority(proc.pid)
         worker = _Worker(slot, proc, warm_rank=warm_rank)
         self.workers.append(worker)
@@ -222,14 +224,20 @@ def _say(line: str) -> None:
 def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None = None) -> dict:
     """Run the job on `nproc` local ranks with in-process restarts; returns rank 0's summary. RankFailed when a rank
     ends and launch.max_restarts restarts are spent (or its exit asks for a requeue)."""
-    from scaletrain.exit_codes import EXIT_REQUEUE
-    from scaletrain.monitor.rank_logs import failure_line
-
     rdzv = rdzv or open_rendezvous(cfg.launch)
     assert rdzv.server is not None, "one host serves its own rendezvous store"
     worker_environment(rdzv, nproc)
+    with forked_ranks("scaletrain.train.inprocess", "scaletrain.train.loop") as start_method:
+        return _supervise(cfg, nproc, rdzv, start_method)
+
+
+def _supervise(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous, start_method: str) -> dict:
+    """launch_in_process's loop: start the ranks and spares, watch them, start generations after failures."""
+    from scaletrain.exit_codes import EXIT_REQUEUE
+    from scaletrain.monitor.rank_logs import failure_line
+
     host, port = rdzv.endpoint.rsplit(":", 1)
-    group = _Group(cfg, nproc, host, int(port), rdzv.server)
+    group = _Group(cfg, nproc, host, int(port), rdzv.server, start_method=start_method)
     reps = _Replicas.of(cfg, nproc)
     generation, restarts = 0, 0
     watch_hangs = cfg.launch.hang_timeout_s > 0  # the heartbeats are written by the watchdog, which it switches on
