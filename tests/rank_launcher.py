@@ -26,10 +26,10 @@ def main() -> None:
     sys.path.insert(0, str(Path(script).parent))  # as `python SCRIPT` puts its folder first
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from scaletrain.launch.local import forked_ranks
+    from scaletrain.launch.local import RANK_IMPORTS, forked_ranks
 
     # the script as a module: the server imports what it imports (its body runs only as __main__, in the ranks)
-    with forked_ranks("scaletrain.train.worker", Path(script).stem) as start_method:
+    with forked_ranks(*RANK_IMPORTS, Path(script).stem) as start_method:
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,

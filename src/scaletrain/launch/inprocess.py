@@ -27,7 +27,13 @@ from dataclasses import dataclass, field, replace
 
 from scaletrain.config.layout import Layout
 from scaletrain.config.schema import JobConfig
-from scaletrain.launch.local import LocalRendezvous, forked_ranks, open_rendezvous, worker_environment
+from scaletrain.launch.local import (
+    RANK_IMPORTS,
+    LocalRendezvous,
+    forked_ranks,
+    open_rendezvous,
+    worker_environment,
+)
 from scaletrain.train.inprocess import (
     STOP,
     done_key,
@@ -227,7 +233,7 @@ def launch_in_process(cfg: JobConfig, nproc: int, rdzv: LocalRendezvous | None =
     rdzv = rdzv or open_rendezvous(cfg.launch)
     assert rdzv.server is not None, "one host serves its own rendezvous store"
     worker_environment(rdzv, nproc)
-    with forked_ranks("scaletrain.train.inprocess", "scaletrain.train.loop") as start_method:
+    with forked_ranks(*RANK_IMPORTS, "scaletrain.train.inprocess") as start_method:
         return _supervise(cfg, nproc, rdzv, start_method)
 
 

@@ -149,6 +149,12 @@ def worker_environment(rdzv: LocalRendezvous, nproc_per_node: int) -> None:
     os.environ["SCALETRAIN_NODE_ADDR"] = rdzv.listen_addr  # names this node in the rendezvous check's messages
 
 
+# what every rank imports before its first step, preloaded by forked_ranks' server: the trainer; torch._dynamo, which
+# torch imports on the first initialiser run under a device context (building the model: ~0.8 s per rank); TensorBoard's
+# writer (the monitor's, ~0.2 s)
+RANK_IMPORTS = ("scaletrain.train.worker", "torch._dynamo", "torch.utils.tensorboard")
+
+
 @contextmanager
 def forked_ranks(*modules: str) -> Iterator[str]:
     """The start method for this host's rank processes: forked from one server process that imported `modules` (torch
@@ -201,7 +207,7 @@ def launch_local(cfg: JobConfig, nproc_per_node: int, rdzv: LocalRendezvous | No
     rdzv = rdzv or open_rendezvous(cfg.launch)
     worker_environment(rdzv, nproc_per_node)
     speed_up_rendezvous_events()
-    with forked_ranks("scaletrain.train.worker") as start_method:
+    with forked_ranks(*RANK_IMPORTS) as start_method:
         launch = agent_config(
             cfg.launch.shutdown_timeout_s,
             min_nodes=cfg.launch.min_nodes or cfg.launch.nnodes,
