@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -59,18 +60,18 @@ def _wait_for_step(run: Path, step: int, proc, timeout=240.0) -> int:
 
 
 def _workers(agent_pid: int) -> list[int]:
-    """Worker processes the torchrun agent spawned (children running multiprocessing's spawn_main)."""
+    """The rank processes the torchrun agent started, by pid (the ranks' order): children of its forkserver
+    (launch/local.py forked_ranks), or of the agent where it spawned them (multiprocessing's spawn_main)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in psutil.Process(agent_pid).children():
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
+            cmd = " ".join(child.cmdline())
+            if "forkserver" in cmd:
+                found += [rank.pid for rank in child.children()]
+            elif "spawn_main" in cmd:
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
             continue
-        if ppid == agent_pid and b"spawn_main" in cmd:
-            found.append(int(entry.name))
     return sorted(found)
 
 
