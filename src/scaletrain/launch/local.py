@@ -8,6 +8,7 @@ them to the rendezvous host's address and this host's launch.local_addr (see lau
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import multiprocessing
@@ -19,8 +20,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import psutil
+
 from scaletrain.config.schema import JobConfig, LaunchConfig
-from scaletrain.launch import network
+from scaletrain.launch import network, rank_server
 
 
 def free_port() -> int:
@@ -161,22 +164,61 @@ def forked_ranks(*modules: str) -> Iterator[str]:
     and the trainer) once, instead of spawning each rank to import them again (~3.5 s of CPU per rank on a 2-core
     host: 4 CPU ranks of a small job reached their first step 5 s sooner); a rank restarted by the agent or the
     in-process launcher is forked at once too. multiprocessing's forkserver: the server is a fresh interpreter, so no
-    thread, OpenMP pool or CUDA context of this process is forked. Call it after this host's environment for the
-    ranks is set (worker_environment): the ranks inherit the server's. The server stops with the block, so a later
-    launch from this process starts one with its own environment."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        yield "spawn"
-        return
-    from multiprocessing import forkserver
-
-    forkserver.set_forkserver_preload(list(modules))
-    forkserver.ensure_running()  # it imports while this process rendezvouses
+    thread, OpenMP pool or CUDA context of this process is forked; it holds the job's signals (launch/rank_server.py).
+    Call it after this host's environment for the ranks is set (worker_environment): the ranks inherit the server's.
+    The server stops with the block, so a later launch from this process starts one with its own environment; so do
+    the processes the ranks left behind (end_leftovers)."""
+    before = adopt_orphans()
     try:
-        yield "forkserver"
+        if "forkserver" not in multiprocessing.get_all_start_methods():
+            yield "spawn"
+            return
+        from multiprocessing import forkserver
+
+        os.environ[rank_server.SERVER_OF] = str(os.getpid())  # read by the server as it starts, by nothing later
+        try:
+            forkserver.set_forkserver_preload(["scaletrain.launch.rank_server", *modules])
+            forkserver.ensure_running()  # it imports while this process rendezvouses
+        finally:
+            del os.environ[rank_server.SERVER_OF]
+        try:
+            yield "forkserver"
+        finally:
+            stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own (3.8+); its ranks have ended
+            if stop is not None:
+                stop()
     finally:
-        stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own shutdown (3.8+); its ranks have ended
-        if stop is not None:
-            stop()
+        end_leftovers(before)
+
+
+def adopt_orphans() -> set[int]:
+    """Make this process the one that inherits the orphans of its descendants (Linux's child subreaper) instead of
+    init, and return the pids of its children now: a process a rank started and left behind when it was SIGKILLed
+    (DCP's writer process, still waiting for its process group) would otherwise outlive the launch, holding the
+    command's output open, for as long as its 30-minute timeout."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_child_subreaper = 36
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1, 0, 0, 0)
+    return {p.pid for p in psutil.Process().children()}
+
+
+def end_leftovers(before: set[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then after `grace_s` SIGKILL, every child of this process that was not one `before` the launch and is
+    not multiprocessing's resource tracker: once the ranks and the server have ended, what the ranks left behind."""
+    from multiprocessing import resource_tracker
+
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    left = [p for p in psutil.Process().children() if p.pid not in before and p.pid != tracker]
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def _caller_name(depth: int = 2) -> str:

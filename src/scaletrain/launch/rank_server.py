@@ -1,0 +1,36 @@
+"""Signals in the server that forks a host's ranks (launch/local.py forked_ranks: multiprocessing's forkserver, which
+imports this module first, before torch).
+
+The server lives beside the ranks: in the launch's process group and in its Slurm step, whose `srun` delivers a
+signal to every process of the step. A SIGTERM, SIGUSR1 or SIGHUP meant for the job would end the server, and the
+agent would then read every rank it forked as dead (multiprocessing reports exit 255 once the server is gone) instead
+of letting them checkpoint and exit 75. So the server blocks those signals (they stay pending in it, unused; it ends
+when the launching process closes its pipe), and each process it forks unblocks them at once (os.register_at_fork),
+before any of its own code runs: a rank gets them as a spawned rank would, one sent meanwhile included.
+
+Only the server acts on the import: the process whose parent set SERVER_OF to its own pid (forked_ranks, before it
+starts the server); anywhere else the import does nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+SERVER_OF = "SCALETRAIN_RANK_SERVER_OF"  # the pid of the process that starts the server
+HELD = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT})
+
+
+def _release() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+
+
+def hold_signals_if_server() -> bool:
+    """Block HELD here and unblock them in every child forked from here, when this process is the rank server."""
+    if os.environ.get(SERVER_OF) != str(os.getppid()):
+        return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    os.register_at_fork(after_in_child=_release)
+    return True
+
+
+hold_signals_if_server()
