@@ -162,7 +162,7 @@ RANK_IMPORTS = ("scaletrain.train.worker", "torch._dynamo", "torch.utils.tensorb
 def forked_ranks(*modules: str) -> Iterator[str]:
     """The start method for this host's rank processes: forked from one server process that imported `modules` (torch
     and the trainer) once, instead of spawning each rank to import them again (~3.5 s of CPU per rank on a 2-core
-    host: 4 CPU ranks of a small job reached their first step 5 s sooner); a rank restarted by the agent or the
+    host: a 10-step job on 4 CPU ranks ended 5 s sooner); a rank restarted by the agent or the
     in-process launcher is forked at once too. multiprocessing's forkserver: the server is a fresh interpreter, so no
     thread, OpenMP pool or CUDA context of this process is forked; it holds the job's signals (launch/rank_server.py).
     Call it after this host's environment for the ranks is set (worker_environment): the ranks inherit the server's.
