@@ -59,9 +59,9 @@ def run_cli_in_process(args: list[str], cwd: Path, check: bool = True) -> subpro
 
 
 def torchrun(nproc: int, args: list[str], cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`args` (a script and its arguments) under torch's own agent on `nproc` local ranks with a free rendezvous
-    port, the ranks forked from one process that imported torch and the script's imports (tests/rank_launcher.py), or
-    as one plain process for nproc 1; one thread per rank; must exit 0."""
+    """`args` (a script and its arguments, or `-m module ...`) under torch's own agent on `nproc` local ranks with a
+    free rendezvous port, the ranks forked from one process that imported torch and the script's imports
+    (tests/rank_launcher.py), or as one plain process for nproc 1; one thread per rank; must exit 0."""
     cmd = [sys.executable, *args]
     if nproc > 1:
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "rank_launcher.py"), str(nproc), *args]
