@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import losses, run_cli, run_cli_in_process, val_losses
+from scaletrain.checkpoint.async_writer import WRITER_NAME
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.monitor import read_jsonl
 
@@ -61,13 +62,14 @@ def _wait_for_step(run: Path, step: int, proc, timeout=240.0) -> int:
 
 def _workers(agent_pid: int) -> list[int]:
     """The rank processes the torchrun agent started, by pid (the ranks' order): children of its forkserver
-    (launch/local.py forked_ranks), or of the agent where it spawned them (multiprocessing's spawn_main)."""
+    (launch/local.py forked_ranks) other than DCP's writers, or of the agent where it spawned them (multiprocessing's
+    spawn_main)."""
     found = []
     for child in psutil.Process(agent_pid).children():
         try:
             cmd = " ".join(child.cmdline())
-            if "forkserver" in cmd:
-                found += [rank.pid for rank in child.children()]
+            if "forkserver" in cmd:  # the server also forks the ranks' checkpoint writers
+                found += [rank.pid for rank in child.children() if rank.name() != WRITER_NAME]
             elif "spawn_main" in cmd:
                 found.append(child.pid)
         except psutil.NoSuchProcess:

@@ -1,6 +1,7 @@
 """Ranks forked from one server (launch/local.py forked_ranks): a signal sent to the whole launch (Slurm's srun
 signals every process of its step) reaches the ranks and leaves the server forking, and a process a rank left
-behind does not outlive the launch. The real launches are in the Slurm tests (preemption) and test_checkpoint_memory
+behind does not outlive the launch; a rank's checkpoint writer is forked from the same server, writing into the rank's
+log. The real launches are in the Slurm tests (preemption) and test_checkpoint_memory
 (a rank SIGKILLed while its checkpoint writer starts)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import psutil
 
+from scaletrain.checkpoint.async_writer import WRITER_NAME
 from scaletrain.launch.local import forked_ranks
 
 
@@ -31,6 +33,35 @@ def _leave_a_sleeper(pid_file: str) -> None:
     with open(pid_file, "w") as f:
         f.write(str(sleeper.pid))
     os._exit(0)  # SIGKILL-like: no cleanup, the sleeper is orphaned
+
+
+def _save_through_a_writer_process(folder: str, log: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import _async_process_executor as process_executor
+
+    from scaletrain.checkpoint.async_writer import AsyncWriter
+
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 2)  # the rank's log, as the agent redirects a rank's output
+    os.setpgid(0, 0)  # a group of its own, as the in-process launcher's ranks have
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 1), rank=0, world_size=1)
+    writer = AsyncWriter("process")
+    model = torch.nn.Linear(4, 4)
+    saved = writer.write({"w": model.weight}, os.path.join(folder, "ckpt"), torch.optim.SGD(model.parameters()))
+    saved.result(timeout=60)
+    proc = psutil.Process(process_executor._CHECKPOINT_PROCESS._save_process.pid)
+    queue.put(
+        {
+            "parent": proc.ppid(),
+            "name": proc.name(),
+            "server": os.getppid(),
+            "groups": (os.getpgid(proc.pid), os.getpgrp()),
+            "mine": [p.pid for p in psutil.Process().children()],
+        }
+    )
+    writer.close()
+    dist.destroy_process_group()
 
 
 def test_a_signal_to_the_launch_reaches_the_ranks_and_the_server_forks_on():
@@ -69,3 +100,22 @@ def test_what_a_rank_leaves_behind_ends_with_the_launch(tmp_path):
     while psutil.pid_exists(sleeper) and psutil.Process(sleeper).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the orphan outlived the launch"
         time.sleep(0.05)
+
+
+def test_a_ranks_checkpoint_writer_is_forked_from_the_server_and_writes_into_the_ranks_log(tmp_path):
+    """DCP spawns its writer (an interpreter importing torch: ~3 s of CPU per rank, on every start and restart); a
+    forked rank's writer comes from the rank's own server, named, with the rank's stderr and process group."""
+    log = tmp_path / "rank0.log"
+    with forked_ranks("torch.distributed.checkpoint") as method:
+        ctx = multiprocessing.get_context(method)
+        queue = ctx.SimpleQueue()
+        rank = ctx.Process(target=_save_through_a_writer_process, args=(str(tmp_path), str(log), queue))
+        rank.start()
+        rank.join(120)
+        assert rank.exitcode == 0, log.read_text()
+        seen = queue.get()
+    assert seen["parent"] == seen["server"]  # not the rank's child: forked by the server that forked the rank
+    assert seen["name"] == WRITER_NAME and seen["mine"] == []
+    assert seen["groups"][0] == seen["groups"][1]  # in the rank's process group, as a child of the rank would be
+    assert "Checkpoint background process is running" in log.read_text()  # DCP's writer logged into the rank's log
+    assert (tmp_path / "ckpt" / ".metadata").is_file()

@@ -10,18 +10,22 @@
 3. Commit: rank 0 commits in a background thread once its write finished; DCP's coordinator finishes only after
    every rank reported its files written, so no barrier is needed on the step path.
 
-The writer process is spawned, and its gloo group formed, in the background when the manager opens (all ranks
+The writer process is started, and its gloo group formed, in the background when the manager opens (all ranks
 together), so the first save does not wait for it either; or, with start=False, when `start()` is called (the
 trainer calls it after the run's first step, so that a restart's first step does not share the host's cores with
-the writer's imports), at the latest by the first save.
+the writer's start), at the latest by the first save. In a rank forked from a server (launch/local.py forked_ranks)
+the writer is forked from that same server, which imported torch and DCP already; elsewhere it is spawned, as DCP does.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import Future
+from multiprocessing import forkserver, reduction
 
 import torch
 import torch.distributed as dist
@@ -79,7 +83,7 @@ class AsyncWriter:
 
         def spawn() -> None:
             # default priority: a niced writer (tried: +10) fell 4+ steps behind on a loaded host, late to be durable
-            process_executor._CHECKPOINT_PROCESS = process_executor._AsyncCheckpointProcess(info)
+            process_executor._CHECKPOINT_PROCESS = _WriterProcess(info)
 
         self._owns_process = True
         self._starting = threading.Thread(target=spawn, name="scaletrain-ckpt-writer-start", daemon=True)
@@ -139,3 +143,69 @@ class AsyncWriter:
             proc, process_executor._CHECKPOINT_PROCESS = process_executor._CHECKPOINT_PROCESS, None
             proc.__del__()  # torch's own shutdown: a terminate request, a 5 s join, then SIGTERM
             self._owns_process = False
+
+
+WRITER_NAME = "ckpt-writer"  # the writer process's name (ps, psutil's name()): tells it apart from its rank siblings
+
+
+class _WriterProcess(process_executor._AsyncCheckpointProcess):
+    """DCP's writer process (the same handshake, serving loop and shutdown), started from the forkserver that forked
+    this process where there is one: it imported torch and DCP before it forked the ranks (launch/local.py
+    RANK_IMPORTS), so the writer is up in a fraction of a second instead of a spawned interpreter's ~3 s of CPU per
+    rank, paid again by every restart. Elsewhere it is spawned, as DCP does (a forked CUDA context is unusable). A
+    forked writer takes what a spawned one inherits from its rank: the environment, stdout/stderr (the rank's log)
+    and the process group (what a dead rank leaves in its group is killed with it: launch/inprocess.py)."""
+
+    def __init__(self, pg_init_info: process_executor._ProcessGroupInitInfo) -> None:
+        self.ctx = multiprocessing.get_context("forkserver" if _forked_by_a_forkserver() else "spawn")  # type: ignore[assignment]
+        self._process_pipe, child_end = self.ctx.Pipe()
+        self._save_process = self.ctx.Process(
+            target=_writer_main,
+            args=(dict(os.environ), _Fd(1), _Fd(2), os.getpgrp(), pg_init_info, child_end),
+            daemon=True,
+        )
+        self._save_process.start()
+        child_end.close()  # the parent's copy: a dead writer then fails the pipe's reads at once
+        response = self._wait_for_response(timeout=1800)  # DCP's own bound (gloo's default init timeout)
+        if response != process_executor._CheckpointSaveProcessControlOpts.INIT_COMPLETE:
+            raise AssertionError(f"Expected INIT_COMPLETE response, got {response}")
+
+
+def _forked_by_a_forkserver() -> bool:
+    """True in a process that a forkserver forked: it knows its server's address but started none itself."""
+    server = forkserver._forkserver
+    return getattr(server, "_forkserver_address", None) is not None and getattr(server, "_forkserver_pid", 0) is None
+
+
+class _Fd:
+    """A file descriptor of this process, handed to the child it is pickled for (multiprocessing's DupFd: the fd is
+    sent to the forkserver, or kept open through a spawn); the child receives the fd number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _writer_main(environ: dict, stdout: int, stderr: int, group: int, pg_init_info, conn) -> None:
+    try:
+        os.setpgid(0, group)
+    except OSError:  # the rank's group is gone: the rank died while this process started
+        os._exit(1)
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    for fd in {stdout, stderr} - {1, 2}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        with open("/proc/self/comm", "w") as comm:  # Linux: the name ps and psutil show
+            comm.write(WRITER_NAME)
+    except OSError:
+        pass
+    process_executor._AsyncCheckpointProcess._checkpointing_subprocess(pg_init_info, conn)

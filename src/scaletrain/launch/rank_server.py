@@ -8,6 +8,10 @@ of letting them checkpoint and exit 75. So the server blocks those signals (they
 when the launching process closes its pipe), and each process it forks unblocks them at once (os.register_at_fork),
 before any of its own code runs: a rank gets them as a spawned rank would, one sent meanwhile included.
 
+A process forked here also asks this server, not a new one, for the forkserver processes it starts itself (DCP's
+writer process, checkpoint/async_writer.py): multiprocessing would otherwise start a server of its own in each rank,
+an interpreter importing torch again.
+
 Only the server acts on the import: the process whose parent set SERVER_OF to its own pid (forked_ranks, before it
 starts the server); anywhere else the import does nothing."""
 
@@ -20,8 +24,13 @@ SERVER_OF = "SCALETRAIN_RANK_SERVER_OF"  # the pid of the process that starts th
 HELD = frozenset({signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT})
 
 
-def _release() -> None:
+def _in_child() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+    from multiprocessing import forkserver, resource_tracker
+
+    # the child knows this server's address (set by the server's main loop) and gets its client's liveness pipe
+    # as it starts: only the start of another server, which it would do for want of a pid of its own, is skipped
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running  # type: ignore[method-assign]
 
 
 def hold_signals_if_server() -> bool:
@@ -29,7 +38,7 @@ def hold_signals_if_server() -> bool:
     if os.environ.get(SERVER_OF) != str(os.getppid()):
         return False
     signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
-    os.register_at_fork(after_in_child=_release)
+    os.register_at_fork(after_in_child=_in_child)
     return True
 
 
