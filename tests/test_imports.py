@@ -130,3 +130,24 @@ def test_cli_imports_no_torch():
     code = "import sys, scaletrain.cli.main; print(','.join(m for m in ('torch', 'numpy', 'rich') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert proc.stdout.strip() == "", f"scaletrain.cli.main imports {proc.stdout.strip()}"
+
+
+def test_the_launching_command_imports_no_trainer():
+    """`scaletrain train` names the ranks' entry points and reads the rank variables, but only the ranks train: they
+    are forked from a server that imported the trainer (launch/local.py RANK_IMPORTS). Importing the trainer, the
+    layouts (DTensor, sympy) or DCP in the command too cost ~3.5 s of CPU in every launch before its ranks started."""
+    launcher = (
+        "scaletrain.parallel.rank_env",
+        "scaletrain.resolve",
+        "scaletrain.launch.local",
+        "scaletrain.launch.inprocess",
+        "scaletrain.train.worker",
+        "scaletrain.train.inprocess",
+    )
+    heavy = ("scaletrain.train.loop", "scaletrain.parallel.apply", "torch.distributed.tensor", "sympy")
+    code = (
+        f"import importlib, sys\nfor m in {launcher!r}: importlib.import_module(m)\n"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert proc.stdout.strip() == "", f"the launching command imports {proc.stdout.strip()}"

@@ -152,10 +152,10 @@ def worker_environment(rdzv: LocalRendezvous, nproc_per_node: int) -> None:
     os.environ["SCALETRAIN_NODE_ADDR"] = rdzv.listen_addr  # names this node in the rendezvous check's messages
 
 
-# what every rank imports before its first step, preloaded by forked_ranks' server: the trainer; torch._dynamo, which
-# torch imports on the first initialiser run under a device context (building the model: ~0.8 s per rank); TensorBoard's
-# writer (the monitor's, ~0.2 s)
-RANK_IMPORTS = ("scaletrain.train.worker", "torch._dynamo", "torch.utils.tensorboard")
+# what every rank imports before its first step, preloaded by forked_ranks' server: the ranks' entry and the trainer
+# (the launching command imports neither: ~3.5 s of CPU); torch._dynamo, which torch imports on the first initialiser
+# run under a device context (building the model: ~0.8 s per rank); TensorBoard's writer (the monitor's, ~0.2 s)
+RANK_IMPORTS = ("scaletrain.train.worker", "scaletrain.train.loop", "torch._dynamo", "torch.utils.tensorboard")
 
 
 @contextmanager

@@ -12,7 +12,6 @@ from scaletrain.exit_codes import EXIT_BAD_INPUT
 from scaletrain.monitor.rank_logs import log_exception, redirect_to_rank_log
 from scaletrain.parallel.runtime import shutdown_distributed
 from scaletrain.train.fingerprint import NodeMismatchError
-from scaletrain.train.loop import train
 
 
 def run_from_dict(tree: dict) -> dict:
@@ -23,7 +22,7 @@ def run_from_dict(tree: dict) -> dict:
     console = redirect_to_rank_log(cfg.run_dir(), rank)
     failed_alone = False  # an error of this rank, which the others may not share (they wait in a collective)
     try:
-        return train(cfg, console=console)
+        return _train()(cfg, console=console)
     except NodeMismatchError as e:
         # the user's mistake, not a crash: one line that the command prints as its error, and exit 2
         sys.stderr.write(f"[rank{rank}] {e}\n")
@@ -38,11 +37,19 @@ def run_from_dict(tree: dict) -> dict:
         shutdown_distributed(wait_for_peers=not failed_alone)
 
 
+def _train():
+    """The training loop, imported on a rank's first call: the launching command names run_from_dict without
+    importing the trainer (a forked rank's server imported it already: launch/local.py RANK_IMPORTS)."""
+    from scaletrain.train.loop import train
+
+    return train
+
+
 def run(cfg: JobConfig) -> None:
     """Train `cfg` as the rank an external launcher started (`scaletrain train` under torchrun, or main below)."""
     failed_alone = False
     try:
-        train(cfg)
+        _train()(cfg)
     except Exception:
         failed_alone = True  # no barrier the other ranks would never join (shutdown_distributed)
         raise
