@@ -36,6 +36,9 @@ def _leave_a_sleeper(pid_file: str) -> None:
 
 
 def _save_through_a_writer_process(folder: str, log: str, queue) -> None:
+    import gc
+
+    frozen = gc.get_freeze_count()  # what the server imported, out of this rank's collections
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint import _async_process_executor as process_executor
@@ -56,6 +59,7 @@ def _save_through_a_writer_process(folder: str, log: str, queue) -> None:
             "parent": proc.ppid(),
             "name": proc.name(),
             "server": os.getppid(),
+            "frozen": frozen,
             "groups": (os.getpgid(proc.pid), os.getpgrp()),
             "mine": [p.pid for p in psutil.Process().children()],
         }
@@ -104,7 +108,8 @@ def test_what_a_rank_leaves_behind_ends_with_the_launch(tmp_path):
 
 def test_a_ranks_checkpoint_writer_is_forked_from_the_server_and_writes_into_the_ranks_log(tmp_path):
     """DCP spawns its writer (an interpreter importing torch: ~3 s of CPU per rank, on every start and restart); a
-    forked rank's writer comes from the rank's own server, named, with the rank's stderr and process group."""
+    forked rank's writer comes from the rank's own server, named, with the rank's stderr and process group; the
+    objects the rank inherits from the server are out of its garbage collections."""
     log = tmp_path / "rank0.log"
     with forked_ranks("torch.distributed.checkpoint") as method:
         ctx = multiprocessing.get_context(method)
@@ -116,6 +121,7 @@ def test_a_ranks_checkpoint_writer_is_forked_from_the_server_and_writes_into_the
         seen = queue.get()
     assert seen["parent"] == seen["server"]  # not the rank's child: forked by the server that forked the rank
     assert seen["name"] == WRITER_NAME and seen["mine"] == []
+    assert seen["frozen"] > 100_000  # torch's and DCP's objects (~250,000), which a collection no longer walks
     assert seen["groups"][0] == seen["groups"][1]  # in the rank's process group, as a child of the rank would be
     assert "Checkpoint background process is running" in log.read_text()  # DCP's writer logged into the rank's log
     assert (tmp_path / "ckpt" / ".metadata").is_file()
