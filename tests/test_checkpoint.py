@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from conftest import losses, run_cli, run_cli_in_process, val_losses
-from scaletrain.checkpoint.async_writer import WRITER_NAME
 from scaletrain.checkpoint.export import load_full_model_state
 from scaletrain.monitor import read_jsonl
 
@@ -60,21 +59,19 @@ def _wait_for_step(run: Path, step: int, proc, timeout=240.0) -> int:
     raise AssertionError(f"step {step} not reached in {timeout} s")
 
 
-def _workers(agent_pid: int) -> list[int]:
-    """The rank processes the torchrun agent started, by pid (the ranks' order): children of its forkserver
-    (launch/local.py forked_ranks) other than DCP's writers, or of the agent where it spawned them (multiprocessing's
-    spawn_main)."""
-    found = []
-    for child in psutil.Process(agent_pid).children():
-        try:
-            cmd = " ".join(child.cmdline())
-            if "forkserver" in cmd:  # the server also forks the ranks' checkpoint writers
-                found += [rank.pid for rank in child.children() if rank.name() != WRITER_NAME]
-            elif "spawn_main" in cmd:
-                found.append(child.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return sorted(found)
+def _workers(run: Path, nproc: int = 2, timeout: float = 60.0) -> list[int]:
+    """The pids of a run's rank processes, in rank order, from their heartbeat records (train/watchdog.py: each rank
+    writes its pid there as it starts). Not from the process tree: the ranks are children of a forkserver beside
+    their checkpoint writers, and a pid order is no rank order once pids wrap around."""
+    from scaletrain.train.watchdog import read_heartbeats
+
+    deadline = time.monotonic() + timeout
+    while True:
+        beats = {b["rank"]: b["pid"] for b in read_heartbeats(run / "heartbeat")}
+        pids = [beats[r] for r in range(nproc) if r in beats and psutil.pid_exists(beats[r])]
+        if len(pids) == nproc or time.monotonic() > deadline:
+            return pids
+        time.sleep(0.05)
 
 
 def _final_weights(run: Path) -> dict:
@@ -94,7 +91,7 @@ def test_sigkill_of_a_rank_recovers_bit_identical(clean):
     cwd, ref = clean
     proc = _start(["train", *JOB, "run.name=killed", "launch.max_restarts=2"], cwd)
     reached = _wait_for_step(cwd / "runs/killed", 14, proc)
-    victims = _workers(proc.pid)
+    victims = _workers(cwd / "runs/killed")
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)

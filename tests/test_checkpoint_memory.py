@@ -143,7 +143,7 @@ def test_kill_right_after_a_memory_snapshot_resumes_from_memory_losing_no_step(t
     proc = start_slow_train(tmp_path, [*JOB, "run.name=killed", "launch.max_restarts=1"])
     # past the first snapshots, far from the disk checkpoint of step 20
     wait_while_running(proc, lambda: _snapshot_step(run) >= 12, time.monotonic() + 300)
-    victims = _workers(proc.pid)
+    victims = _workers(run)
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
     newest = _snapshot_step(run)  # no snapshot commits without the killed rank

@@ -398,7 +398,7 @@ def test_ep2_resumes_bit_identical_after_sigkill_and_reshards_to_no_ep(tmp_path)
     deadline = time.monotonic() + 120
     while not committed.is_dir() and time.monotonic() < deadline:  # the kill must find a checkpoint to resume
         time.sleep(0.02)
-    victims = _workers(proc.pid)
+    victims = _workers(tmp_path / "runs/killed")
     assert len(victims) == 2, victims
     os.kill(victims[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)

@@ -215,7 +215,7 @@ def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run,
             "--nproc-per-node", "2"]  # fmt: skip
     proc = _start(args, clean_run)
     reached = _wait_for_step(clean_run / "runs/killed", 9, proc)
-    os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
+    os.kill(_workers(clean_run / "runs/killed")[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
     assert reached < RESUME_STEPS

@@ -280,7 +280,7 @@ def test_sigkill_mid_run_resumes_bit_identical_with_the_data_position(clean_run,
     proc = _start(["train", *RESUME_JOB, f"data.path={images}", "run.name=killed", "launch.max_restarts=2"],
                   clean_run)  # fmt: skip
     reached = _wait_for_step(clean_run / "runs/killed", 8, proc)
-    os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
+    os.kill(_workers(clean_run / "runs/killed")[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "resumed from" in err, err[-3000:]
     assert reached < RESUME_STEPS

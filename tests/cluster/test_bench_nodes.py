@@ -48,11 +48,15 @@ def test_bench_across_nodes_measures_the_shaped_link(cluster, tmp_path):
     assert len(cal.internode_collective_amid_compute) == len(cal.collective_amid_compute) == 4
     inter, intra = cal.internode_allreduce_busbw, cal.allreduce_busbw
     assert inter is not None and intra is not None and cal.internode_allgather_busbw is not None
-    # one ring stream per node link: at most the line rate (tbf's 256 KB burst and the fit's noise: 1.2x)
-    assert inter < 1.2 * LINE_RATE, f"inter-node busbw {inter / 1e9:.3f} GB/s on a 1 Gbit/s link"
-    assert cal.internode_allgather_busbw < 1.2 * LINE_RATE
+    # one ring stream per node link: about the line rate, far below an unshaped veth's (8x and more). Not exactly
+    # it: tbf lets each collective start with its 256 KB burst, so the fit over 64 KB-4 MB runs above the line
+    # rate, 1.12-1.15x with no noise at all at the 1-3 ms latencies measured here (worked through with
+    # hardware/fit.py), and 1.22x was seen with the other test worker busy: 1.3x
+    bound = 1.3 * LINE_RATE
+    assert inter < bound, f"inter-node busbw {inter / 1e9:.3f} GB/s on a 1 Gbit/s link"
+    assert cal.internode_allgather_busbw < bound
     assert len(cal.internode_reduce_scatter) == 3 and cal.internode_reducescatter_busbw is not None
-    assert cal.internode_reducescatter_busbw < 1.2 * LINE_RATE
+    assert cal.internode_reducescatter_busbw < bound
     # the shaped link is the slower one (by 10x and more on a quiet host; inside a node, loopback between processes
     # that share 2 cores with whatever else runs: 0.24 GB/s was seen under a load of 18, so no tighter factor)
     assert inter < intra, f"inter-node {inter / 1e9:.3f} GB/s vs inside a node {intra / 1e9:.3f} GB/s"

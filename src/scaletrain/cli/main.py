@@ -139,7 +139,7 @@ def train(
     from scaletrain.monitor.rank_logs import failure_line, quiet_agent_failures
 
     try:
-        with quiet_agent_failures(cfg.run_dir(), cfg.launch.max_restarts, cfg.launch.nnodes):
+        with quiet_agent_failures(cfg.run_dir(), cfg.launch.max_restarts, cfg.launch.nnodes) as failures:
             launch_local(cfg, nproc, rdzv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
@@ -156,7 +156,10 @@ def train(
             sys.exit(EXIT_REQUEUE)
         # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
         rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
-        click.echo(f"scaletrain: training failed on {failure_line(cfg.run_dir(), rank, first.exitcode)}", err=True)
+        code = first.exitcode
+        if code != EXIT_HANG and failures.named is not None and failures.named[1] < 0 and cfg.launch.nnodes == 1:
+            rank, code = failures.named  # a rank killed by a signal, whose peers then failed on it
+        click.echo(f"scaletrain: training failed on {failure_line(cfg.run_dir(), rank, code)}", err=True)
         sys.exit(EXIT_FAILED)
     except SignalException as e:
         # the agent was told to stop (scheduler preemption): it sent SIGTERM to the workers, which saved

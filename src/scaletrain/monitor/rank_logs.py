@@ -90,6 +90,27 @@ def failure_line(run_dir: Path, rank: int, exitcode: int | None) -> str:
     return f"rank {rank} ({_exit_text(exitcode)})" + (f": {cause}" if cause else "") + f"; full log: {_shown(path)}"
 
 
+def _signalled_rank(local_rank: int, exitcode: int) -> tuple[int, int]:
+    """The failed rank to name: torch reports the first exited rank in rank order, so a rank SIGKILLed (the OOM
+    killer, a lost GPU) whose peer then fails on the broken collective (exit 1, "Connection reset by peer") is
+    reported as that peer's failure whenever both ended before the agent's next poll. A rank killed by a signal is
+    the cause, never the consequence: name it. Read from the worker processes of the agent's context, found on the
+    logging call's stack (torch's MultiprocessContext._poll); the reported rank where they are not there."""
+    if exitcode < 0:
+        return local_rank, exitcode
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_poll" and hasattr(frame.f_locals.get("self"), "_pc")):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return local_rank, exitcode
+    processes = getattr(frame.f_locals["self"]._pc, "processes", [])
+    for rank, proc in enumerate(processes):
+        code = proc.exitcode
+        if code is not None and code < 0:
+            return rank, code
+    return local_rank, exitcode
+
+
 class _AgentFailures(logging.Filter):
     """Drops torch elastic's failure traceback and shutdown chatter in the agent process; prints one line for a
     failure the agent restarts from (the CLI words the final one from ChildFailedError)."""
@@ -97,6 +118,7 @@ class _AgentFailures(logging.Filter):
     def __init__(self, run_dir: Path, restarts: int, nnodes: int):
         super().__init__()
         self.run_dir, self.restarts_left, self.restarts, self.nnodes = run_dir, restarts, restarts, nnodes
+        self.named: tuple[int, int] | None = None  # (local rank, exit code) of the last failure, as named
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
@@ -107,6 +129,7 @@ class _AgentFailures(logging.Filter):
         if not (msg.startswith("failed (exitcode") and isinstance(record.args, tuple) and len(record.args) == 5):
             return True
         exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[call-overload]
+        local_rank, exitcode = self.named = _signalled_rank(local_rank, exitcode)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             done = self.restarts - self.restarts_left
@@ -124,15 +147,15 @@ class _AgentFailures(logging.Filter):
 
 
 @contextlib.contextmanager
-def quiet_agent_failures(run_dir: Path, restarts: int, nnodes: int) -> Iterator[None]:
+def quiet_agent_failures(run_dir: Path, restarts: int, nnodes: int) -> Iterator[_AgentFailures]:
     """While the torchrun agent runs in this process: one line per worker failure instead of torch elastic's
-    tracebacks (the full ones are in the rank logs)."""
+    tracebacks (the full ones are in the rank logs). Yields the filter: `named` is the failure it named last."""
     names = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
     filt = _AgentFailures(run_dir, restarts, nnodes)
     for name in names:
         logging.getLogger(name).addFilter(filt)
     try:
-        yield
+        yield filt
     finally:
         for name in names:
             logging.getLogger(name).removeFilter(filt)
