@@ -157,7 +157,8 @@ class _WriterProcess(process_executor._AsyncCheckpointProcess):
     and the process group (what a dead rank leaves in its group is killed with it: launch/inprocess.py)."""
 
     def __init__(self, pg_init_info: process_executor._ProcessGroupInitInfo) -> None:
-        self.ctx = multiprocessing.get_context("forkserver" if _forked_by_a_forkserver() else "spawn")  # type: ignore[assignment]
+        method = "forkserver" if _forked_by_a_forkserver() else "spawn"
+        self.ctx = multiprocessing.get_context(method)  # type: ignore[assignment]
         self._process_pipe, child_end = self.ctx.Pipe()
         self._save_process = self.ctx.Process(
             target=_writer_main,

@@ -1,5 +1,5 @@
-"""Signals and inherited state in the server that forks a host's ranks (launch/local.py forked_ranks: multiprocessing's forkserver, which
-imports this module first, before torch).
+"""Signals and inherited state in the server that forks a host's ranks (launch/local.py forked_ranks:
+multiprocessing's forkserver, which imports this module first, before torch).
 
 The server lives beside the ranks: in the launch's process group and in its Slurm step, whose `srun` delivers a
 signal to every process of the step. A SIGTERM, SIGUSR1 or SIGHUP meant for the job would end the server, and the

@@ -90,13 +90,14 @@ def failure_line(run_dir: Path, rank: int, exitcode: int | None) -> str:
     return f"rank {rank} ({_exit_text(exitcode)})" + (f": {cause}" if cause else "") + f"; full log: {_shown(path)}"
 
 
-def _signalled_rank(local_rank: int, exitcode: int) -> tuple[int, int]:
+def _killed_rank(local_rank: int, exitcode: int) -> tuple[int, int]:
     """The failed rank to name: torch reports the first exited rank in rank order, so a rank SIGKILLed (the OOM
-    killer, a lost GPU) whose peer then fails on the broken collective (exit 1, "Connection reset by peer") is
-    reported as that peer's failure whenever both ended before the agent's next poll. A rank killed by a signal is
-    the cause, never the consequence: name it. Read from the worker processes of the agent's context, found on the
-    logging call's stack (torch's MultiprocessContext._poll); the reported rank where they are not there."""
-    if exitcode < 0:
+    killer, an operator) whose peer then fails on the broken collective (exit 1, "Connection reset by peer") is
+    reported as that peer's failure whenever both ended before the agent's next poll. A SIGKILL always comes from
+    outside, never as the consequence of a peer's failure (an abort's SIGABRT can): name that rank. Read from the
+    worker processes of the agent's context, found on the logging call's stack (torch's MultiprocessContext._poll);
+    the reported rank where they are not there."""
+    if exitcode == -signal.SIGKILL:
         return local_rank, exitcode
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "_poll" and hasattr(frame.f_locals.get("self"), "_pc")):
@@ -105,9 +106,8 @@ def _signalled_rank(local_rank: int, exitcode: int) -> tuple[int, int]:
         return local_rank, exitcode
     processes = getattr(frame.f_locals["self"]._pc, "processes", [])
     for rank, proc in enumerate(processes):
-        code = proc.exitcode
-        if code is not None and code < 0:
-            return rank, code
+        if proc.exitcode == -signal.SIGKILL:
+            return rank, proc.exitcode
     return local_rank, exitcode
 
 
@@ -129,7 +129,7 @@ class _AgentFailures(logging.Filter):
         if not (msg.startswith("failed (exitcode") and isinstance(record.args, tuple) and len(record.args) == 5):
             return True
         exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[call-overload]
-        local_rank, exitcode = self.named = _signalled_rank(local_rank, exitcode)
+        local_rank, exitcode = self.named = _killed_rank(local_rank, exitcode)
         if self.restarts_left > 0:
             self.restarts_left -= 1
             done = self.restarts - self.restarts_left
