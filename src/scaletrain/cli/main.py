@@ -157,8 +157,8 @@ def train(
         # the watchdog's rank holds the diagnosis; the frozen rank it killed may have been noticed first
         rank, first = min(e.failures.items(), key=lambda kv: (kv[1].exitcode != EXIT_HANG, kv[1].timestamp))
         code = first.exitcode
-        if code != EXIT_HANG and failures.named is not None and failures.named[1] == -9 and cfg.launch.nnodes == 1:
-            rank, code = failures.named  # a SIGKILLed rank (exit -9), whose peers then failed on it
+        if code != EXIT_HANG and failures.killed is not None and cfg.launch.nnodes == 1:
+            rank, code = failures.killed  # a SIGKILLed rank, whose peers then failed on it
         click.echo(f"scaletrain: training failed on {failure_line(cfg.run_dir(), rank, code)}", err=True)
         sys.exit(EXIT_FAILED)
     except SignalException as e:

@@ -118,7 +118,8 @@ class _AgentFailures(logging.Filter):
     def __init__(self, run_dir: Path, restarts: int, nnodes: int):
         super().__init__()
         self.run_dir, self.restarts_left, self.restarts, self.nnodes = run_dir, restarts, restarts, nnodes
-        self.named: tuple[int, int] | None = None  # (local rank, exit code) of the last failure, as named
+        # (local rank, exit code) of the last failure when it was a SIGKILLed rank: the one to name at the end too
+        self.killed: tuple[int, int] | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
@@ -129,7 +130,8 @@ class _AgentFailures(logging.Filter):
         if not (msg.startswith("failed (exitcode") and isinstance(record.args, tuple) and len(record.args) == 5):
             return True
         exitcode, local_rank = int(record.args[0]), int(record.args[1])  # type: ignore[call-overload]
-        local_rank, exitcode = self.named = _killed_rank(local_rank, exitcode)
+        local_rank, exitcode = _killed_rank(local_rank, exitcode)
+        self.killed = (local_rank, exitcode) if exitcode == -signal.SIGKILL else None
         if self.restarts_left > 0:
             self.restarts_left -= 1
             done = self.restarts - self.restarts_left
@@ -149,7 +151,7 @@ class _AgentFailures(logging.Filter):
 @contextlib.contextmanager
 def quiet_agent_failures(run_dir: Path, restarts: int, nnodes: int) -> Iterator[_AgentFailures]:
     """While the torchrun agent runs in this process: one line per worker failure instead of torch elastic's
-    tracebacks (the full ones are in the rank logs). Yields the filter: `named` is the failure it named last."""
+    tracebacks (the full ones are in the rank logs). Yields the filter: `killed` is the last failure when a rank was SIGKILLed."""
     names = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
     filt = _AgentFailures(run_dir, restarts, nnodes)
     for name in names:
